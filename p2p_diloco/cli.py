@@ -1,0 +1,191 @@
+"""``p2p-diloco``: one console entry with subcommands (``join``, ``swarm``).
+
+Every kind of bad input ends the same way: one line on stderr, exit code 2, no traceback, within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from .errors import UsageError
+
+EXIT_USAGE = 2
+ENV_INITIAL_PEERS = "P2P_DILOCO_INITIAL_PEERS"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + error
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def validate_maddr(text: str, need_peer_id: bool) -> str:
+    """Parse ``text`` with the multiaddr package; initial peers must name the peer (``/p2p/<peer id>``)."""
+    from multiaddr import Multiaddr
+
+    try:
+        maddr = Multiaddr(text)
+        protocols = [p.name for p in maddr.protocols()]
+    except Exception as e:
+        raise UsageError(f"invalid multiaddr {text!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    if need_peer_id and "p2p" not in protocols:
+        raise UsageError(f"multiaddr {text!r} must end with /p2p/<peer id>")
+    return str(maddr)
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML run config (see configs/)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key; the value is parsed as TOML, else taken as a string")
+    p.add_argument("--run-id", help="peers with the same run id (and config) train together")
+    p.add_argument("--max-rounds", type=int, help="stop once swarm round R is complete")
+    p.add_argument("--inner-steps", type=int, help="inner steps per round (H)")
+    p.add_argument("--log-dir", help="write events.jsonl and peer.log under DIR/<peer id>/")
+    p.add_argument("--summary-json", help="write the end-of-run summary to this JSON file")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="p2p-diloco", description="Coordinator-free DiLoCo training over hivemind.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    join = sub.add_parser("join", help="run one peer: start a new swarm or join one")
+    join.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                      help=f"multiaddrs of live peers (also from ${ENV_INITIAL_PEERS}); none = new swarm")
+    join.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on")
+    join.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to advertise")
+    join.add_argument("--data-seed", type=int, help="this peer's data order (default: from its peer id)")
+    _add_config_args(join)
+    swarm = sub.add_parser("swarm", help="run N peers on 127.0.0.1, each a separate join process")
+    swarm.add_argument("--peers", type=int, required=True, help="number of peers")
+    _add_config_args(swarm)
+    return parser
+
+
+def load_join_config(args: argparse.Namespace):
+    """defaults < --config file < --set < explicit flags."""
+    from .config import apply_overrides, load_config
+
+    cfg = load_config(args.config, args.sets)
+    flags: dict[str, dict] = {"run": {}, "train": {}, "data": {}, "swarm": {}}
+    if args.run_id is not None:
+        flags["run"]["run_id"] = args.run_id
+    if args.max_rounds is not None:
+        flags["run"]["max_rounds"] = args.max_rounds
+    if args.inner_steps is not None:
+        flags["train"]["inner_steps"] = args.inner_steps
+    if getattr(args, "data_seed", None) is not None:
+        flags["data"]["seed"] = args.data_seed
+    peers = getattr(args, "initial_peers", None)
+    if peers is None and os.environ.get(ENV_INITIAL_PEERS, "").strip():
+        peers = os.environ[ENV_INITIAL_PEERS].split()
+    if peers is not None:
+        flags["swarm"]["initial_peers"] = peers
+    for name in ("host_maddrs", "announce_maddrs"):
+        if getattr(args, name, None) is not None:
+            flags["swarm"][name] = getattr(args, name)
+    apply_overrides(cfg, flags)
+    cfg.swarm.initial_peers = [validate_maddr(m, need_peer_id=True) for m in cfg.swarm.initial_peers]
+    cfg.swarm.host_maddrs = [validate_maddr(m, need_peer_id=False) for m in cfg.swarm.host_maddrs]
+    cfg.swarm.announce_maddrs = [validate_maddr(m, need_peer_id=False) for m in cfg.swarm.announce_maddrs]
+    return cfg
+
+
+def write_json_atomic(path: str | Path, obj) -> None:
+    """Write JSON via a temp file + rename, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _install_stop_handlers(stop: threading.Event) -> None:
+    """First SIGINT/SIGTERM: stop at the next safe point. Second: interrupt now (cleanup still runs).
+
+    hivemind forks the DHT and averager processes from this one, and a fork inherits these handlers: in a child
+    they re-raise the signal with the default action, so a signal sent to the whole group still ends the children.
+    """
+    main_pid = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != main_pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if stop.is_set():
+            raise KeyboardInterrupt
+        logging.getLogger("p2p_diloco").warning("received %s: stopping after the current step",
+                                                signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    cfg = load_join_config(args)
+    from .metrics import EventLog
+    from .peer import Peer
+    from .swarm import Swarm
+
+    stop = threading.Event()
+    _install_stop_handlers(stop)
+    metrics = EventLog(None)
+
+    def on_started(swarm) -> None:
+        _install_stop_handlers(stop)  # hivemind set SIGINT to SIG_IGN when the averager started
+        _STDERR_HANDLER.setLevel(logging.INFO)  # until now only errors: bad input must give a one-line error
+        print(f"p2p-diloco join --initial-peers {' '.join(swarm.visible_maddrs())} --run-id {cfg.run.run_id}",
+              flush=True)
+        if args.log_dir:
+            metrics.set_dir(Path(args.log_dir) / swarm.peer_id)
+
+    try:
+        summary = Peer(cfg, metrics, Swarm, stop=stop, on_started=on_started).run()
+    finally:
+        metrics.close()
+    if args.summary_json:
+        write_json_atomic(args.summary_json, summary)
+    logging.getLogger("p2p_diloco").info("summary: %s", json.dumps(summary))
+    return 0
+
+
+_STDERR_HANDLER = logging.StreamHandler(sys.stderr)
+
+
+def _setup_logging(level: int) -> None:
+    handler = _STDERR_HANDLER
+    handler.setLevel(level)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    for noisy in ("datasets", "transformers", "filelock", "urllib3", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(logging.WARNING if args.command == "join" else logging.INFO)
+    try:
+        if args.command == "join":
+            return cmd_join(args)
+        from .launcher import cmd_swarm
+
+        return cmd_swarm(args)
+    except UsageError as e:
+        print(f"p2p-diloco {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"p2p-diloco {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

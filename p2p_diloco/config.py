@@ -1,0 +1,285 @@
+"""Run configuration: dataclasses loaded from TOML, with `--set section.key=value` overrides.
+
+Precedence (lowest to highest): dataclass defaults < TOML file < ``--set`` overrides < explicit CLI flags.
+The CLI applies flags through :func:`apply_overrides` last, so they win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+
+from .errors import UsageError
+
+
+class ConfigError(UsageError):
+    """Bad configuration input (missing file, unknown key, bad value). The CLI turns it into exit code 2."""
+
+
+@dataclass
+class RunConfig:
+    """Identity of the run: peers with the same ``run_id`` and fingerprint train one model together."""
+
+    run_id: str = "p2p-diloco-tiny"
+    seed: int = 0  # initial weights come from this seed, so every peer starts from the same theta(0)
+    max_rounds: int = 0  # 0 = run until stopped
+
+
+@dataclass
+class ModelConfig:
+    """A causal LM that transformers can build: a preset, a config JSON, or a local/hub ``name_or_path``."""
+
+    preset: str = "tiny-llama"  # used when name_or_path and config_json are empty
+    name_or_path: str = ""  # from_pretrained (works offline from a local directory)
+    config_json: str = ""  # path to a transformers config.json (random init)
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 344
+    max_seq_len: int = 256
+
+
+@dataclass
+class TokenizerConfig:
+    """``name_or_path = "byte"`` is the built-in byte-level tokenizer; anything else goes to AutoTokenizer."""
+
+    name_or_path: str = "byte"
+
+
+@dataclass
+class DataConfig:
+    """Where text comes from. ``path = "builtin:stdlib"`` is the offline default corpus."""
+
+    path: str = "builtin:stdlib"  # hub dataset name, local directory, or a glob of text/json/jsonl/parquet files
+    name: str = ""  # hub dataset config name (e.g. "en" for allenai/c4)
+    text_column: str = "text"
+    train_split: str = "train"
+    eval_split: str = ""  # a separate split for eval; empty = hold out documents by hash
+    eval_fraction: float = 0.02  # fraction of documents held out (by a hash of the document) when eval_split is empty
+    streaming: str = "auto"  # "auto" (stream hub datasets, load local ones), "true", "false"
+    seq_len: int = 128
+    batch_size: int = 8
+    seed: int = -1  # this peer's data order; -1 = derived from the peer id
+    max_bytes: int = 8_000_000  # cap on the built-in corpus (the whole stdlib is ~30 MB)
+    shuffle_buffer: int = 10_000  # streaming shuffle buffer
+
+
+@dataclass
+class TrainConfig:
+    """Inner optimisation (AdamW), run by every peer on its own data for ``inner_steps`` per round."""
+
+    inner_steps: int = 50  # H
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    total_steps: int = 0  # cosine horizon in global inner steps; 0 = max_rounds * inner_steps (or constant)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    autocast: str = "auto"  # "auto" = bf16 where the device supports it (CUDA), "bf16", "off"
+    device: str = "cpu"  # "cpu", "cuda", "auto"
+    threads: int = 0  # torch CPU threads; 0 = leave torch's default
+
+
+@dataclass
+class OuterConfig:
+    """The outer optimiser: SGD with Nesterov momentum on the averaged pseudo-gradient (DiLoCo defaults)."""
+
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+    compression: str = "none"  # "none" | "fp16"
+
+
+@dataclass
+class EvalConfig:
+    every_rounds: int = 1
+    batches: int = 8
+
+
+@dataclass
+class SwarmConfig:
+    """Networking and timeouts. Every wait in the round protocol is bounded by one of these."""
+
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)
+    initial_peers: list[str] = field(default_factory=list)
+    startup_timeout: float = 30.0  # p2pd start
+    min_peers: int = 1  # before the first round, wait (up to min_peers_timeout) until this many peers are live
+    min_peers_timeout: float = 120.0
+    heartbeat_period: float = 1.0  # how often a peer refreshes its live record
+    peer_ttl: float = 6.0  # a live record expires after this long without a refresh
+    matchmaking_time: float = 8.0  # how long a leader waits for the whole group before giving up
+    request_timeout: float = 3.0  # must stay below matchmaking_time (hivemind)
+    allreduce_timeout: float = 60.0
+    next_chunk_timeout: float = 10.0
+    round_timeout: float = 600.0  # give up waiting for stragglers of one round after this long
+    state_timeout: float = 60.0  # downloading state from a donor
+    part_size_bytes: int = 2**20
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The settings that must agree for peers to average together (flattened ``section.key`` -> value)."""
+        out: dict[str, Any] = {"run.seed": self.run.seed}
+        for section in ("model", "tokenizer", "outer"):
+            for key, value in dataclasses.asdict(getattr(self, section)).items():
+                out[f"{section}.{key}"] = value
+        return out
+
+    def fingerprint(self) -> str:
+        """Short hash of :meth:`fingerprint_fields`; part of the matchmaking key."""
+        blob = json.dumps(self.fingerprint_fields(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _section_types() -> dict[str, type]:
+    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(Config)}  # type: ignore[misc]
+
+
+def _coerce(section: str, key: str, current: Any, value: Any) -> Any:
+    """Check ``value`` against the type of the default, converting where it is lossless."""
+    where = f"{section}.{key}"
+    if isinstance(current, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if isinstance(current, int):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be an integer, got {value!r}")
+    if isinstance(current, float):
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where} must be a number, got {value!r}")
+    if isinstance(current, list):
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    if isinstance(current, str):
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where} must be a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported type")  # pragma: no cover - all fields are covered above
+
+
+def apply_overrides(cfg: Config, overrides: Mapping[str, Mapping[str, Any]]) -> Config:
+    """Apply ``{section: {key: value}}`` onto ``cfg`` in place, rejecting unknown sections/keys."""
+    for section, values in overrides.items():
+        if not hasattr(cfg, section) or not dataclasses.is_dataclass(getattr(cfg, section)):
+            known = ", ".join(f.name for f in dataclasses.fields(Config))
+            raise ConfigError(f"unknown config section [{section}] (known: {known})")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"[{section}] must be a table")
+        obj = getattr(cfg, section)
+        names = {f.name for f in dataclasses.fields(obj)}
+        for key, value in values.items():
+            if key not in names:
+                raise ConfigError(f"unknown config key {section}.{key} (known: {', '.join(sorted(names))})")
+            setattr(obj, key, _coerce(section, key, getattr(obj, key), value))
+    validate(cfg)
+    return cfg
+
+
+def parse_set(item: str) -> tuple[str, str, Any]:
+    """Parse one ``section.key=value``; the value is read as TOML when it parses, else kept as a string."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects section.key=value, got {item!r}")
+    dotted, raw = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set expects section.key=value, got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return parts[0], parts[1], value
+
+
+def load_config(path: str | Path | None = None, sets: Iterable[str] = ()) -> Config:
+    """Build a :class:`Config`: defaults, then the TOML file at ``path``, then ``--set`` items."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            data = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot parse {p}: {e}") from None
+        apply_overrides(cfg, data)
+    nested: dict[str, dict[str, Any]] = {}
+    for item in sets:
+        section, key, value = parse_set(item)
+        nested.setdefault(section, {})[key] = value
+    return apply_overrides(cfg, nested)
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that would only fail later, deep inside a run."""
+    positive = {
+        "train.inner_steps": cfg.train.inner_steps,
+        "train.grad_accum": cfg.train.grad_accum,
+        "data.seq_len": cfg.data.seq_len,
+        "data.batch_size": cfg.data.batch_size,
+        "model.num_layers": cfg.model.num_layers,
+        "eval.batches": cfg.eval.batches,
+        "eval.every_rounds": cfg.eval.every_rounds,
+        "swarm.matchmaking_time": cfg.swarm.matchmaking_time,
+        "swarm.allreduce_timeout": cfg.swarm.allreduce_timeout,
+        "swarm.peer_ttl": cfg.swarm.peer_ttl,
+        "swarm.heartbeat_period": cfg.swarm.heartbeat_period,
+    }
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{name} must be > 0, got {value}")
+    if cfg.swarm.min_peers < 1:
+        raise ConfigError(f"swarm.min_peers must be >= 1, got {cfg.swarm.min_peers}")
+    if cfg.run.max_rounds < 0:
+        raise ConfigError(f"run.max_rounds must be >= 0, got {cfg.run.max_rounds}")
+    if not cfg.run.run_id or not all(c.isalnum() or c in "-_" for c in cfg.run.run_id):
+        raise ConfigError(f"run.run_id must be non-empty letters, digits, '-' or '_', got {cfg.run.run_id!r}")
+    if not 0.0 <= cfg.outer.momentum < 1.0:
+        raise ConfigError(f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
+    if cfg.outer.lr <= 0 or cfg.train.lr <= 0:
+        raise ConfigError("outer.lr and train.lr must be > 0")
+    if cfg.outer.compression not in ("none", "fp16"):
+        raise ConfigError(f"outer.compression must be 'none' or 'fp16', got {cfg.outer.compression!r}")
+    if cfg.train.autocast not in ("auto", "bf16", "off"):
+        raise ConfigError(f"train.autocast must be auto, bf16 or off, got {cfg.train.autocast!r}")
+    if cfg.train.device not in ("cpu", "cuda", "auto"):
+        raise ConfigError(f"train.device must be cpu, cuda or auto, got {cfg.train.device!r}")
+    if cfg.data.streaming not in ("auto", "true", "false"):
+        raise ConfigError(f"data.streaming must be auto, true or false, got {cfg.data.streaming!r}")
+    if not 0.0 <= cfg.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+    if cfg.swarm.request_timeout >= cfg.swarm.matchmaking_time:
+        raise ConfigError("swarm.request_timeout must be smaller than swarm.matchmaking_time")
+    if cfg.swarm.peer_ttl <= cfg.swarm.heartbeat_period:
+        raise ConfigError("swarm.peer_ttl must be larger than swarm.heartbeat_period")

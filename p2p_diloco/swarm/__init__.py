@@ -1,0 +1,256 @@
+"""The swarm boundary: the only part of p2p-diloco that imports hivemind.
+
+A :class:`Swarm` owns one ``hivemind.DHT`` and one :class:`~p2p_diloco.swarm.averager.ExactAverager` for the
+whole run (creating and destroying averagers on one DHT kills the DHT within a few cycles, field notes item 7).
+It offers the round protocol exactly the operations it needs:
+
+* publish this peer's live record (round, digest, phase, progress) every ``heartbeat_period`` seconds, with a
+  ``peer_ttl`` expiration, so that every peer can see who is live, in which round, and with which digest;
+* check that peers already in the run use the same model/tokenizer/outer config;
+* all-reduce a list of tensors with exactly ``group_size`` peers of the same round, all-or-nothing;
+* download (round, theta, momentum) from the live peer in the highest round.
+
+No coordinator: every decision is taken locally from the DHT records, the same way on every peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import hivemind
+import torch
+from hivemind.compression import Float16Compression, NoCompression
+from hivemind.utils import get_dht_time
+
+from ..config import Config
+from ..errors import ConfigMismatch, RoundFailed, SwarmError
+from .averager import ExactAverager
+from ..processes import reap_children
+
+log = logging.getLogger(__name__)
+DHT_CALL_TIMEOUT = 15.0
+
+
+@dataclass
+class AllReduceResult:
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    gathered: dict[str, Any]
+
+
+def _one_line(e: BaseException) -> str:
+    """A short single-line reason from hivemind's (often multi-line, timestamped) exception texts."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text)[:300]
+
+
+def _round_bits(round_: int) -> str:
+    """The round number as hivemind group bits: peers in different rounds use different matchmaking keys."""
+    return format(round_ % (1 << 24), "024b")
+
+
+class Swarm:
+    """One peer's connection to the run's swarm.
+
+    Args:
+        cfg: the run config (``[swarm]`` section, run id and fingerprint are used here).
+        tensors_like: tensors shaped like the pseudo-gradient (fp32, CPU); copied for the averager's buffers.
+        state_provider: returns ``(metadata, tensors)`` for peers that download our state (called from a
+            background thread of this process, so it must take its own lock).
+    """
+
+    def __init__(self, cfg: Config, tensors_like: Sequence[torch.Tensor],
+                 state_provider: Callable[[], tuple[dict, list[torch.Tensor]]]):
+        self.cfg, self.sc = cfg, cfg.swarm
+        self.run_id, self.fingerprint = cfg.run.run_id, cfg.fingerprint()
+        self._buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in tensors_like]
+        self._state_provider = state_provider
+        self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe for concurrent callers
+        self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": "join"}
+        self._record_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self.dht: hivemind.DHT | None = None
+        self.averager: ExactAverager | None = None
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the DHT (joining ``swarm.initial_peers``), refuse a mismatched config, start the averager."""
+        # Children forked from here (DHT, averager) and the p2pd they exec ignore SIGINT, so Ctrl-C in a terminal
+        # reaches only the main process, which then shuts them down in order (see shutdown()).
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            self.dht = hivemind.DHT(
+                initial_peers=self.sc.initial_peers or None, start=True, host_maddrs=self.sc.host_maddrs,
+                announce_maddrs=self.sc.announce_maddrs or None, startup_timeout=self.sc.startup_timeout,
+                await_ready=True,
+            )
+        except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
+            reap_children(timeout=5.0)
+            raise SwarmError(f"could not start or join the swarm: {_one_line(e)}") from None
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        self.peer_id = self.dht.peer_id.to_base58()
+        try:
+            self.check_config()
+            self._start_averager()
+            self._publish_config()
+            self.publish(phase="join")
+        except BaseException:
+            self.shutdown()  # a half-started peer must not leave its DHT/p2pd processes behind
+            raise
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _start_averager(self) -> None:
+        compression = Float16Compression() if self.cfg.outer.compression == "fp16" else NoCompression()
+        self.averager = ExactAverager(
+            self._buffers, self.dht, start=False, prefix=f"{self.run_id}_{self.fingerprint}",
+            target_group_size=2, min_group_size=2, min_matchmaking_time=self.sc.matchmaking_time,
+            request_timeout=self.sc.request_timeout, allreduce_timeout=self.sc.allreduce_timeout,
+            next_chunk_timeout=self.sc.next_chunk_timeout, part_size_bytes=self.sc.part_size_bytes,
+            compression=compression, declare_state_period=max(5.0, self.sc.peer_ttl), shutdown_timeout=5,
+        )
+        self.averager.state_provider = self._state_provider
+        self.averager.run_in_background(await_ready=True, timeout=self.sc.startup_timeout)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def shutdown(self) -> None:
+        """Leave the DHT and stop every process of ours (averager, DHT, p2pd), whatever state they are in."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=self.sc.heartbeat_period + 5)
+        try:
+            if self.dht is not None and self.dht.is_alive() and self.averager is not None:
+                self.publish(phase="left", ttl=self.sc.heartbeat_period)
+        except Exception as e:  # leaving is best effort; the record also expires by itself
+            log.debug("could not publish leave record: %r", e)
+        for part in (self.averager, self.dht):  # averager first: it uses the DHT
+            try:
+                if part is not None and part.is_alive():
+                    part.shutdown()
+            except Exception as e:
+                log.debug("shutdown of %s failed: %r", type(part).__name__, e)
+        reap_children(timeout=5.0)
+
+    # ------------------------------------------------------------------------------------------------- records
+    def _dht_call(self, method: str, *args, **kwargs):
+        """One DHT get/store, serialised and bounded (a DHT whose process died would block forever)."""
+        with self._dht_lock:
+            future = getattr(self.dht, method)(*args, return_future=True, **kwargs)
+            return future.result(timeout=DHT_CALL_TIMEOUT)
+
+    def update(self, **fields: Any) -> None:
+        """Change fields of our live record; they go out with the next heartbeat."""
+        with self._record_lock:
+            self._record.update(fields)
+
+    def publish(self, ttl: float | None = None, **fields: Any) -> None:
+        """Change fields of our live record and store it now (round boundaries must be visible at once)."""
+        with self._record_lock:
+            self._record.update(fields)
+            record = dict(self._record, t=time.time())
+        expiration = get_dht_time() + (ttl or self.sc.peer_ttl)
+        self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.peer_id)
+
+    def _publish_config(self) -> None:
+        expiration = get_dht_time() + 5 * self.sc.peer_ttl
+        self._dht_call("store", f"{self.run_id}.config", self.cfg.fingerprint_fields(), expiration,
+                       subkey=self.peer_id)
+
+    def _heartbeat_loop(self) -> None:
+        beats = 0
+        while not self._stop.wait(self.sc.heartbeat_period):
+            try:
+                self.publish()
+                beats += 1
+                if beats % 10 == 0:
+                    self._publish_config()
+            except Exception as e:  # a missed heartbeat only makes us look dead for a while
+                log.warning("heartbeat failed: %r", e)
+
+    def _read_dict(self, key: str) -> dict[str, Any]:
+        found = self._dht_call("get", key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        return {str(sub): item.value for sub, item in found.value.items() if isinstance(item.value, dict)}
+
+    def live_peers(self) -> dict[str, dict[str, Any]]:
+        """Every other live peer of this run and config: ``{peer_id: record}``."""
+        records = self._read_dict(f"{self.run_id}.live")
+        return {
+            pid: rec for pid, rec in records.items()
+            if pid != self.peer_id and rec.get("fp") == self.fingerprint and rec.get("phase") != "left"
+        }
+
+    def check_config(self) -> None:
+        """Raise :class:`ConfigMismatch` naming the differences if a live peer of this run id uses another config."""
+        live = self._read_dict(f"{self.run_id}.live")
+        ours = self.cfg.fingerprint_fields()
+        for pid, theirs in self._read_dict(f"{self.run_id}.config").items():
+            if pid == self.peer_id or pid not in live or live[pid].get("phase") == "left":
+                continue
+            diffs = [f"{k}: ours {ours.get(k)!r}, theirs {theirs.get(k)!r}"
+                     for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+            if diffs:
+                raise ConfigMismatch(
+                    f"run {self.run_id!r} already has peer {pid} with a different config ({'; '.join(diffs)}); "
+                    f"use the same config or another --run-id"
+                )
+
+    # ---------------------------------------------------------------------------------------------- averaging
+    def all_reduce(self, round_: int, tensors: Sequence[torch.Tensor], weight: float, group_size: int,
+                   gather: dict[str, Any]) -> AllReduceResult:
+        """Average ``tensors`` (weighted) with exactly ``group_size`` peers of round ``round_``, in place.
+
+        On success every member holds bit-identical averages. On any failure raises :class:`RoundFailed` and
+        leaves ``tensors`` untouched, so the caller cannot apply a partial result by mistake.
+        """
+        if weight <= 0:
+            raise ValueError("all-reduce weight must be > 0")  # all-zero weights give NaN everywhere
+        self.averager.set_round_params(_round_bits(round_), group_size, timeout=30)
+        with self.averager.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors, strict=True):
+                buf.copy_(t)
+        look = 2 * self.sc.matchmaking_time
+        t0 = time.monotonic()
+        control = self.averager.step(gather=gather, weight=float(weight), timeout=look, allow_retries=False,
+                                     wait=False)
+        try:
+            result = control.result(timeout=look + self.sc.allreduce_timeout + 10)
+        except BaseException as e:
+            if not control.done():
+                control.cancel()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            raise RoundFailed(_one_line(e)) from None
+        if not result:
+            raise RoundFailed("could not find a group")
+        with self.averager.get_tensors() as buffers:
+            for buf, t in zip(buffers, tensors):
+                t.copy_(buf)
+        gathered = {pid.to_base58(): data for pid, data in result["gathered"].items()}
+        return AllReduceResult(result["group_size"], result.get("bytes_sent", 0), result.get("bytes_received", 0),
+                               time.monotonic() - t0, gathered)
+
+    def set_donor_round(self, round_: int) -> None:
+        """Peers downloading state prefer the donor in the highest round."""
+        self.averager.state_sharing_priority = float(round_)
+
+    def load_state(self) -> tuple[dict, list[torch.Tensor]] | None:
+        """Download ``(metadata, tensors)`` from the live peer in the highest round, or None."""
+        loaded = self.averager.load_state_from_peers(timeout=self.sc.state_timeout)
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        return metadata, list(tensors)

@@ -1,0 +1,186 @@
+"""Exact, all-or-nothing butterfly all-reduce on top of hivemind's averager (hivemind 1.1.12, no fork).
+
+Stock hivemind has two properties that break DiLoCo (see shared/docs/hivemind-field-notes.md, items 1 and 2):
+
+* **Not bit-identical.** Each reducer returns ``average - x_i`` and each peer adds it back to its own ``x_i``,
+  so peers end with ``x_i + (avg - x_i)``, which differs in the last bits from peer to peer.
+  Fix: reducers return the average itself; every peer *copies* it. The reducer's own slice goes through the same
+  compress -> decompress round trip as the slices it sends, so it holds exactly what the others receive.
+* **Silently partial.** A dead reducer's slice is filled with the local values, a dead sender is dropped from
+  the parts not yet reduced, and ``step()`` still returns normally. Fix: a reducer that lost a sender before a
+  part was complete sends an error instead of a partial average; every peer refuses a result in which any part
+  came from a failed reducer. Either every value of the vector is a full average, or the step raises.
+
+The averager also counts the payload bytes it sends and receives in each all-reduce, and lets the host change
+the group key and group size per round (the round number lives in the group key, so peers in different rounds
+can never match).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Sequence
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_logger
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+
+logger = get_logger(__name__)
+
+
+class ExactAllReduceRunner(AllReduceRunner):
+    """An AllReduceRunner whose outputs are the averages themselves, identical on every peer, or an error."""
+
+    def __init__(self, *, compression, **kwargs):
+        super().__init__(compression=compression, **kwargs)
+        self.compression = compression
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def _part_complete(self, part_index: int) -> bool:
+        """True iff every sender contributed to this part (no sender was banned before submitting it)."""
+        return part_index < min(self.tensor_part_reducer.sender_failed_after, default=float("inf"))
+
+    def _round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What a remote peer would receive for ``tensor``: identity without compression."""
+        return deserialize_torch_tensor(serialize_torch_tensor(tensor, self.compression.compression_type))
+
+    async def _communicate_with_peer(self, peer_id):
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        # Our own slice: reduce it locally, but hand ourselves exactly what the other peers get.
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        sender_index = self.sender_peer_ids.index(peer_id)
+        loop = asyncio.get_event_loop()
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, self.weight)
+            if not self._part_complete(part_index):
+                self.tensor_part_container.register_failed_reducer(peer_index)
+                return
+            averaged = await loop.run_in_executor(None, self._round_trip, averaged)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+
+    async def _accumulate_parts_streaming(self, stream, sender_index: int):
+        """Reducer side: answer each part with the full average, or with an error if a sender went missing."""
+        part_index = 0
+        loop = asyncio.get_event_loop()
+        try:
+            async for part, weight, compression in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight)
+                except BannedException:
+                    break
+                if not self._part_complete(part_index):
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+                    break
+                part_index += 1
+                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for msg in super()._generate_input_for_peer(peer_index):
+            self.bytes_sent += msg.tensor_part.ByteSize()
+            yield msg
+
+    async def rpc_aggregate_part(self, stream, context):
+        async def counted(inner):
+            async for msg in inner:
+                self.bytes_received += msg.tensor_part.ByteSize()
+                yield msg
+
+        async for msg in super().rpc_aggregate_part(counted(stream), context):
+            self.bytes_sent += msg.tensor_part.ByteSize()
+            yield msg
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self)
+
+
+class _CountingStub:
+    """Wraps a peer stub so that the averaged parts a reducer streams back to us are counted as received."""
+
+    def __init__(self, stub, runner: ExactAllReduceRunner):
+        self._stub, self._runner = stub, runner
+
+    async def rpc_aggregate_part(self, inputs):
+        stream = await self._stub.rpc_aggregate_part(inputs)
+
+        async def counted():
+            async for msg in stream:
+                self._runner.bytes_received += msg.tensor_part.ByteSize()
+                yield msg
+
+        return counted()
+
+
+class ExactAverager(DecentralizedAverager):
+    """DecentralizedAverager that runs :class:`ExactAllReduceRunner` and refuses partial results.
+
+    ``step()`` returns ``{"gathered": {peer_id: data}, "group_size": n, "bytes_sent": b, "bytes_received": b}``
+    on success; the averaged tensors then hold the exact average. On any failure it raises, and the averaged
+    tensors must be treated as garbage (the host discards them).
+    """
+
+    _last_stats: dict
+    state_provider = None  # host-side callable returning (metadata, tensors); set before the averager starts
+
+    def get_current_state(self):
+        """Host process, background thread: what a joining peer downloads from us."""
+        metadata, tensors = self.state_provider()
+        return metadata, tensors, None
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
+        self._last_stats = {}
+        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        return {"gathered": gathered, "group_size": group_info.group_size, **self._last_stats}
+
+    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
+                                      group_id=None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ExactAllReduceRunner(
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, **kwargs,
+        )
+        assert group_id in self._running_groups, "group must be registered by _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)
+        container = runner.tensor_part_container
+        if container.failed_size:
+            raise AllreduceException(
+                f"partial all-reduce refused: {container.failed_size} of {container.total_size} values not averaged"
+            )
+        self._last_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received}
+
+    async def _set_round_params(self, group_bits: str, group_size: int, future):
+        """Executed in the averager process: key this round's matchmaking and require exactly ``group_size``."""
+        try:
+            mm = self._matchmaking
+            mm.group_key_manager.group_bits = group_bits
+            mm.group_key_manager.target_group_size = group_size
+            mm.target_group_size = mm.min_group_size = group_size
+            mm.potential_leaders.target_group_size = group_size
+            future.set_result(None)
+        except Exception as e:  # report to the host instead of killing the averager's loop
+            future.set_exception(e)
+
+    def set_round_params(self, group_bits: str, group_size: int, timeout: float) -> None:
+        future = MPFuture()
+        self._outer_pipe.send(("_set_round_params", [], dict(group_bits=group_bits, group_size=group_size,
+                                                              future=future)))
+        future.result(timeout=timeout)
+

@@ -1,0 +1,46 @@
+"""Shared fixtures. Every process a test starts carries a unique tag in its environment (inherited by the DHT,
+averager and p2pd processes too), so a test can prove that nothing it started is still running, and the
+``reap`` fixture kills whatever is left even when the test failed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import psutil
+import pytest
+
+TAG_VAR = "P2P_DILOCO_TEST_TAG"
+
+
+def tagged_processes(tag: str) -> list[psutil.Process]:
+    """Every live (non-zombie) process whose environment carries ``tag``."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get(TAG_VAR) == tag:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+@pytest.fixture
+def reap():
+    """A fresh tag for this test's processes; at teardown every tagged process still alive is killed."""
+    tag = uuid.uuid4().hex
+    yield tag
+    leftovers = tagged_processes(tag)
+    for proc in leftovers:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(leftovers, timeout=10)

@@ -1,0 +1,97 @@
+"""Subprocess peers for swarm tests: each `p2p-diloco` process runs in its own session/process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from p2p_diloco.launcher import parse_join_line
+from p2p_diloco.metrics import read_events
+
+TAG_VAR = "P2P_DILOCO_TEST_TAG"
+# The default tiny model and H (~6 s per round on 2 cores) with a smaller corpus and shorter matchmaking waits.
+FAST = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000",
+        "--set", "swarm.matchmaking_time=5.0", "--set", "swarm.request_timeout=2.0", "--set", "train.threads=1"]
+
+
+class Proc:
+    """A `python -m p2p_diloco ...` subprocess with its stdout collected by a thread."""
+
+    def __init__(self, args: list[str], tag: str, cwd: Path | None = None):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{TAG_VAR: tag})
+        env.pop("P2P_DILOCO_INITIAL_PEERS", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "p2p_diloco", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                                     stdin=subprocess.DEVNULL, cwd=cwd)
+        self.lines: list[str] = []
+        self.err_lines: list[str] = []
+        self.joined = threading.Event()
+        self.join_maddrs: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_err, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            parsed = parse_join_line(line)
+            if parsed and not self.joined.is_set():
+                self.join_maddrs = parsed[0]
+                self.joined.set()
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:
+            self.err_lines.append(line)
+
+    @property
+    def peer_id(self) -> str:
+        return self.join_maddrs[0].rsplit("/p2p/", 1)[-1]
+
+    def wait_joined(self, timeout: float = 90.0) -> list[str]:
+        if not self.joined.wait(timeout):
+            raise AssertionError(f"no join line within {timeout}s; stderr:\n{self.stderr_tail()}")
+        return self.join_maddrs
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"process still running after {timeout}s; stderr:\n{self.stderr_tail()}")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stderr_tail(self, n: int = 40) -> str:
+        return "".join(self.err_lines[-n:])
+
+
+def wait_for_event(path: Path, predicate, timeout: float, proc: Proc | None = None) -> dict:
+    """Poll an events.jsonl file until an event satisfies ``predicate``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for ev in read_events(path):
+            if predicate(ev):
+                return ev
+        if proc is not None and proc.proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.proc.returncode}); stderr:\n{proc.stderr_tail()}")
+        time.sleep(0.5)
+    raise AssertionError(f"no matching event in {path} within {timeout}s")
+
+
+def load_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def eval_by_round(events: list[dict]) -> dict[int, float]:
+    return {e["round"]: e["loss"] for e in events if e["event"] == "eval"}

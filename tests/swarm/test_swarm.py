@@ -1,0 +1,111 @@
+"""Real swarms: subprocess peers on 127.0.0.1 (each in its own process group), real DHTs and all-reduces."""
+
+import signal
+import time
+
+import pytest
+
+from tests.conftest import tagged_processes
+from tests.swarm.helpers import FAST, Proc, eval_by_round, load_json, wait_for_event
+from p2p_diloco.metrics import read_events
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
+
+
+def test_three_peer_swarm_bit_identical_and_learning(tmp_path, reap):
+    """`p2p-diloco swarm --peers 3`: every peer in every round, equal digests, eval loss falls each round."""
+    summary = tmp_path / "summary.json"
+    swarm = Proc(["swarm", "--peers", "3", "--max-rounds", "3", "--log-dir", str(tmp_path / "logs"),
+                  "--summary-json", str(summary), "--run-id", "t-three", *FAST], reap)
+    assert swarm.wait(300) == 0, swarm.stderr_tail() + "".join(swarm.lines[-20:])
+    result = load_json(summary)
+    assert result["all_digests_equal"] is True
+    assert len(result["peers"]) == 3
+    assert len({p["global_digest"] for p in result["peers"]}) == 1
+    for peer in result["peers"]:
+        assert peer["rounds_completed"] == 3 and peer["rounds_participated"] == 3
+        assert peer["eval_loss_last"] < peer["eval_loss_first"]
+        assert peer["bytes_sent"] > 0 and peer["bytes_received"] > 0
+        events = read_events(tmp_path / "logs" / peer["peer_id"] / "events.jsonl")
+        losses = eval_by_round(events)
+        assert [r for r in sorted(losses)] == [0, 1, 2, 3]
+        assert all(losses[r + 1] < losses[r] for r in range(3)), losses
+        done = [e for e in events if e["event"] == "allreduce_done"]
+        assert [e["group_size"] for e in done] == [3, 3, 3]
+        assert all(e["bytes_sent"] > 0 and e["seconds"] >= 0 for e in done)
+        steps = [e for e in events if e["event"] == "outer_step"]
+        assert [e["round"] for e in steps] == [1, 2, 3]
+        for e in events:
+            assert {"t", "event", "round"} <= set(e)
+    # the same global weights after every round on every peer
+    per_round = {}
+    for peer in result["peers"]:
+        for e in read_events(tmp_path / "logs" / peer["peer_id"] / "events.jsonl"):
+            if e["event"] == "outer_step":
+                per_round.setdefault(e["round"], set()).add(e["digest"])
+    assert all(len(d) == 1 for d in per_round.values()), per_round
+    assert "all digests agree: yes" in "".join(swarm.lines)
+    assert not tagged_processes(reap), "processes survived a finished swarm"
+
+
+def test_late_joiner_reaches_swarm_digest(tmp_path, reap):
+    """A peer that joins after round 1 downloads the state and ends with the swarm's digest."""
+    first = Proc(["join", "--max-rounds", "5", "--run-id", "t-late", "--log-dir", str(tmp_path),
+                  "--summary-json", str(tmp_path / "a.json"), *FAST], reap)
+    maddrs = first.wait_joined()
+    wait_for_event(tmp_path / first.peer_id / "events.jsonl", lambda e: e["event"] == "outer_step", 120, first)
+    late = Proc(["join", "--initial-peers", *maddrs, "--max-rounds", "5", "--run-id", "t-late",
+                 "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "b.json"), *FAST], reap)
+    assert late.wait(240) == 0, late.stderr_tail()
+    assert first.wait(120) == 0, first.stderr_tail()
+    a, b = load_json(tmp_path / "a.json"), load_json(tmp_path / "b.json")
+    assert a["rounds_completed"] == b["rounds_completed"] == 5
+    assert a["global_digest"] == b["global_digest"]
+    late_events = read_events(tmp_path / late.peer_id / "events.jsonl")
+    loaded = [e for e in late_events if e["event"] == "state_loaded"]
+    assert loaded and loaded[0]["from_peer"] == first.peer_id and loaded[0]["round"] >= 1
+    # after loading, the joiner took part in at least one all-reduce with the first peer
+    assert any(e["event"] == "allreduce_done" and e["group_size"] == 2 for e in late_events)
+    assert not tagged_processes(reap)
+
+
+def test_mismatched_config_is_refused(tmp_path, reap):
+    first = Proc(["join", "--run-id", "t-mismatch", *FAST], reap)
+    maddrs = first.wait_joined()
+    t0 = time.monotonic()
+    other = Proc(["join", "--initial-peers", *maddrs, "--run-id", "t-mismatch", "--set", "model.num_layers=3",
+                  *FAST], reap)
+    assert other.wait(60) == 2
+    assert time.monotonic() - t0 < 60
+    err = other.stderr_tail()
+    assert "model.num_layers: ours 3, theirs 2" in err and "different config" in err
+    assert len([l for l in other.err_lines if l.strip()]) == 1, err
+    first.signal(signal.SIGTERM)
+    assert first.wait(60) == 0
+    assert not tagged_processes(reap)
+
+
+def test_unreachable_initial_peer_fails_fast(reap):
+    t0 = time.monotonic()
+    proc = Proc(["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAJ6LLP9vy8TfHi4hdDVvYT81fFM7YibrdRCRvaUyi1X8"],
+                reap)
+    assert proc.wait(60) == 2
+    assert time.monotonic() - t0 < 45
+    assert len([l for l in proc.err_lines if l.strip()]) == 1, proc.stderr_tail()
+    assert "could not start or join the swarm" in proc.stderr_tail()
+    assert not tagged_processes(reap)
+
+
+def test_interrupted_swarm_leaves_no_process(tmp_path, reap):
+    """Ctrl-C on `p2p-diloco swarm` stops every peer; no python, DHT, averager or p2pd process survives."""
+    swarm = Proc(["swarm", "--peers", "2", "--log-dir", str(tmp_path), "--run-id", "t-int", *FAST], reap)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(
+            e["event"] == "outer_step" for f in tmp_path.glob("*/events.jsonl") for e in read_events(f)):
+        time.sleep(0.5)
+    procs = tagged_processes(reap)
+    assert sum("p2pd" in " ".join(p.cmdline()) for p in procs) >= 2, [p.cmdline() for p in procs]
+    swarm.signal(signal.SIGINT)
+    assert swarm.wait(90) == 130
+    time.sleep(0.5)
+    assert not tagged_processes(reap), [p.cmdline() for p in tagged_processes(reap)]

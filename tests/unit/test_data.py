@@ -1,0 +1,222 @@
+import json
+import sysconfig
+import time
+
+import datasets
+import pandas as pd
+import pytest
+import torch
+from datasets import IterableDataset
+
+from p2p_diloco.config import ConfigError, DataConfig, TokenizerConfig
+from p2p_diloco.data import (
+    PackedStream,
+    eval_batches,
+    eval_documents,
+    load_documents,
+    resolve_data_files,
+    train_documents,
+)
+from p2p_diloco.tokenizer import build_tokenizer
+
+pytestmark = pytest.mark.unit
+
+EOS = 256
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(TokenizerConfig("byte"))
+
+
+def _docs(n=60):
+    """Distinct documents of varied length (no blank lines, so .txt paragraphs are whole documents)."""
+    return [f"doc {i}: " + " ".join(f"w{i}x{j}" for j in range(i % 9 + 1)) for i in range(n)]
+
+
+@pytest.fixture
+def jsonl_dir(tmp_path):
+    docs = _docs()
+    for part in range(2):
+        with open(tmp_path / f"part{part}.jsonl", "w") as f:
+            for d in docs[part::2]:
+                f.write(json.dumps({"body": d, "id": 1}) + "\n")
+    return tmp_path, docs
+
+
+def _cfg(path, **kw):
+    defaults = dict(path=str(path), text_column="body", seq_len=16, batch_size=2, eval_fraction=0.2, shuffle_buffer=8)
+    return DataConfig(**{**defaults, **kw})
+
+
+def _texts(ds, column="text"):
+    """A column as a plain list, for map-style and streaming datasets alike."""
+    return [row[column] for row in ds]
+
+
+def _split_docs(tokens, tok):
+    """Decode a flat token list into the documents it holds (eos-separated; partial ones at the ends dropped)."""
+    cuts = [i for i, t in enumerate(tokens) if t == EOS]
+    return [tok.decode(tokens[a + 1 : b]) for a, b in zip(cuts, cuts[1:])]
+
+
+# ----------------------------------------------------------------------------- built-in corpus
+
+
+def test_builtin_corpus_is_stdlib_in_path_order_capped():
+    ds = load_documents(DataConfig(max_bytes=300_000), "train")
+    paths = _texts(ds, "path")
+    assert paths == sorted(paths) and paths[0].endswith(".py")
+    assert not any("site-packages" in p or "dist-packages" in p for p in paths)
+    assert sum(len(t.encode()) for t in _texts(ds)) == 300_000  # the last file is cut to the cap
+    with open(f"{sysconfig.get_paths()['stdlib']}/{paths[0]}", encoding="utf-8") as f:
+        assert ds[0]["text"] == f.read()
+
+
+def test_builtin_split_is_by_path_and_disjoint():
+    cfg = DataConfig()
+    train, held = train_documents(cfg), eval_documents(cfg)
+    assert len(held) > 0 and not set(_texts(held, "path")) & set(_texts(train, "path"))
+    assert len(train) + len(held) == len(load_documents(cfg, "train"))
+    assert 0.005 < len(held) / (len(train) + len(held)) < 0.05
+
+
+def test_builtin_defaults_give_enough_eval_batches(tok):
+    cfg = DataConfig()
+    batches = eval_batches(tok, cfg, 8)
+    assert len(batches) == 8 and all(b.shape == (8, 128) and b.dtype == torch.long for b in batches)
+    first = eval_documents(cfg)[0]["text"]
+    assert batches[0].flatten()[:64].tolist() == list(first.encode())[:64]  # document order, not shuffled
+    assert all(torch.equal(a, b) for a, b in zip(batches, eval_batches(tok, cfg, 8)))
+
+
+def test_builtin_stream_starts_fast_and_differs_by_seed(tok):
+    start = time.perf_counter()
+    stream = PackedStream(tok, DataConfig(), seed=0)
+    first = stream.next_batch()
+    assert time.perf_counter() - start < 5.0  # ~0.5 s on a laptop; generous for loaded CI machines
+    assert first.shape == (8, 128) and first.dtype == torch.long and first.max() <= EOS
+    assert stream.tokens_per_batch == 1024
+    assert torch.equal(PackedStream(tok, DataConfig(), seed=0).next_batch(), first)
+    assert not torch.equal(PackedStream(tok, DataConfig(), seed=1).next_batch(), first)
+
+
+# ----------------------------------------------------------------------------- local files
+
+
+@pytest.mark.parametrize("streaming", ["false", "true"])
+def test_each_epoch_is_every_train_doc_once_in_a_new_order(tok, jsonl_dir, streaming):
+    path, docs = jsonl_dir
+    cfg = _cfg(path, streaming=streaming)
+    train, held = _texts(train_documents(cfg)), _texts(eval_documents(cfg))
+    assert sorted(train + held) == sorted(docs) and held and not set(train) & set(held)
+
+    per_epoch = sum(len(d.encode()) + 1 for d in train)
+    stream = PackedStream(tok, cfg, seed=3)
+    tokens = []
+    while len(tokens) < 2 * per_epoch + 1:
+        tokens += stream.next_batch().flatten().tolist()
+    epoch0 = _split_docs([EOS] + tokens[:per_epoch], tok)
+    epoch1 = _split_docs([EOS] + tokens[per_epoch : 2 * per_epoch], tok)
+    assert sorted(epoch0) == sorted(train) == sorted(epoch1)  # eval docs never trained on
+    assert epoch0 != epoch1
+    assert stream.state_dict()["epoch"] == 2
+
+
+@pytest.mark.parametrize("streaming", ["false", "true"])
+def test_resume_from_state_dict_is_exact(tok, jsonl_dir, streaming):
+    cfg = _cfg(jsonl_dir[0], streaming=streaming)
+    stream, drawn = PackedStream(tok, cfg, seed=11), 0
+    for steps in (0, 1, 7, 30, 61):  # 61 is in the second epoch
+        for _ in range(steps - drawn):
+            stream.next_batch()
+        state = json.loads(json.dumps(stream.state_dict()))
+        expected = [stream.next_batch() for _ in range(5)]
+        drawn = steps + 5
+        resumed = PackedStream(tok, cfg, seed=11)
+        resumed.load_state_dict(state)
+        assert all(torch.equal(a, b) for a, b in zip(expected, [resumed.next_batch() for _ in range(5)])), state
+    assert state["epoch"] >= 1
+
+
+@pytest.mark.parametrize("streaming", ["false", "true"])
+def test_same_seed_same_batches_other_seed_different(tok, jsonl_dir, streaming):
+    cfg = _cfg(jsonl_dir[0], streaming=streaming)
+    a, b, c = (PackedStream(tok, cfg, seed=s) for s in (1, 1, 2))
+    batches = [(a.next_batch(), b.next_batch(), c.next_batch()) for _ in range(4)]
+    assert all(torch.equal(x, y) for x, y, _ in batches)
+    assert not all(torch.equal(x, z) for x, _, z in batches)
+
+
+def test_parquet_glob_and_single_txt(tok, tmp_path):
+    docs = _docs(20)
+    (tmp_path / "sub").mkdir()
+    pd.DataFrame({"text": docs[:10]}).to_parquet(tmp_path / "sub" / "a.parquet")
+    pd.DataFrame({"text": docs[10:]}).to_parquet(tmp_path / "sub" / "b.parquet")
+    assert _texts(load_documents(DataConfig(path=str(tmp_path / "**" / "*.parquet")), "train")) == docs
+    (tmp_path / "c.txt").write_text("first para\nsecond line\n\nsecond para\n")
+    assert _texts(load_documents(DataConfig(path=str(tmp_path / "c.txt")), "train")) == [
+        "first para\nsecond line",
+        "second para\n",
+    ]
+
+
+def test_directory_files_are_recursive_and_sorted(tmp_path):
+    for name in ("b.txt", "a/z.txt", "a/y.txt", "notes.md", ".hidden.txt"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x")
+    assert resolve_data_files(str(tmp_path)) == [str(tmp_path / n) for n in ("a/y.txt", "a/z.txt", "b.txt")]
+
+
+def test_eval_batches_from_local_files(tok, jsonl_dir):
+    cfg = _cfg(jsonl_dir[0], eval_fraction=0.5, seq_len=8)
+    held = _texts(eval_documents(cfg))
+    batches = eval_batches(tok, cfg, 3)
+    flat = [t for b in batches for t in b.flatten().tolist()]
+    expected = [t for d in held for t in [*d.encode(), EOS]][: len(flat)]
+    assert flat == expected
+    with pytest.raises(ConfigError, match="not enough eval text"):
+        eval_batches(tok, cfg, 10_000)
+
+
+@pytest.mark.parametrize(
+    "setup, kw, message",
+    [
+        (lambda p: None, {}, "no data files match"),
+        (lambda p: (p / "a.txt").write_text("x") and (p / "b.jsonl").write_text('{"text": "y"}\n'), {}, "mix formats"),
+        (lambda p: (p / "a.jsonl").write_text('{"body": "y", "id": 1}\n'), {"text_column": "text"}, "columns: body, id"),
+        (lambda p: (p / "a.txt").write_text("x"), {"eval_split": "validation"}, "one split"),
+        (lambda p: (p / "a.csv").write_text("x"), {"path": "*.csv"}, "unsupported data file type"),
+    ],
+)
+def test_bad_local_data_is_a_config_error(tok, tmp_path, setup, kw, message):
+    setup(tmp_path)
+    path = str(tmp_path / kw.pop("path")) if "path" in kw else str(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        PackedStream(tok, DataConfig(path=path, **kw), seed=0)
+
+
+def test_missing_local_path(tok, tmp_path):
+    with pytest.raises(ConfigError, match=f"no data files match {tmp_path}/nope"):
+        load_documents(DataConfig(path=str(tmp_path / "nope")), "train")
+
+
+def test_hub_datasets_stream_through_the_same_code_path(tok, monkeypatch):
+    """No network here: stand in for the hub with a generator-backed (column-less) IterableDataset."""
+    splits = {"train": _docs(40), "validation": [f"held out {i} " * 9 for i in range(20)]}
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, streaming=False):
+        calls.append((path, name, split, streaming))
+        gen = lambda docs: ({"body": d, "id": i} for i, d in enumerate(docs))  # noqa: E731
+        return IterableDataset.from_generator(gen, gen_kwargs={"docs": splits[split]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    cfg = DataConfig(path="allenai/c4", name="en", text_column="body", eval_split="validation", seq_len=16, batch_size=2)
+    stream = PackedStream(tok, cfg, seed=0)
+    assert calls == [("allenai/c4", "en", "train", True)]
+    trained = "".join(tok.decode(stream.next_batch().flatten().tolist()) for _ in range(20))
+    assert "doc " in trained and "held out" not in trained
+    batches = eval_batches(tok, cfg, 2)
+    assert calls[-1] == ("allenai/c4", "en", "validation", True)
+    assert tok.decode(batches[0].flatten().tolist()).startswith("held out 0 held out 0")
