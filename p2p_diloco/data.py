@@ -43,7 +43,8 @@ def _stdlib_sources(max_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     rels = []
     for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages")]  # third-party code
-        rels += [os.path.relpath(os.path.join(folder, f), root).replace(os.sep, "/") for f in files if f.endswith(".py")]
+        rel = os.path.relpath(folder, root).replace(os.sep, "/")
+        rels += [f if rel == "." else f"{rel}/{f}" for f in files if f.endswith(".py")]
     paths, texts, total = [], [], 0
     for rel in sorted(rels):
         if total >= max_bytes:

@@ -184,7 +184,7 @@ def test_eval_batches_from_local_files(tok, jsonl_dir):
     [
         (lambda p: None, {}, "no data files match"),
         (lambda p: (p / "a.txt").write_text("x") and (p / "b.jsonl").write_text('{"text": "y"}\n'), {}, "mix formats"),
-        (lambda p: (p / "a.jsonl").write_text('{"body": "y", "id": 1}\n'), {"text_column": "text"}, "columns: body, id"),
+        (lambda p: (p / "a.jsonl").write_text('{"body": "y", "id": 1}\n'), {"text_column": "x"}, "columns: body, id"),
         (lambda p: (p / "a.txt").write_text("x"), {"eval_split": "validation"}, "one split"),
         (lambda p: (p / "a.csv").write_text("x"), {"path": "*.csv"}, "unsupported data file type"),
     ],
@@ -212,7 +212,8 @@ def test_hub_datasets_stream_through_the_same_code_path(tok, monkeypatch):
         return IterableDataset.from_generator(gen, gen_kwargs={"docs": splits[split]})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    cfg = DataConfig(path="allenai/c4", name="en", text_column="body", eval_split="validation", seq_len=16, batch_size=2)
+    cfg = DataConfig(path="allenai/c4", name="en", text_column="body", eval_split="validation")
+    cfg.seq_len, cfg.batch_size = 16, 2
     stream = PackedStream(tok, cfg, seed=0)
     assert calls == [("allenai/c4", "en", "train", True)]
     trained = "".join(tok.decode(stream.next_batch().flatten().tolist()) for _ in range(20))
