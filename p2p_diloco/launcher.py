@@ -108,6 +108,7 @@ def stop_peers(peers: list[PeerProc], grace: float = STOP_GRACE) -> None:
         except subprocess.TimeoutExpired:
             pass
     for p in peers:
+        wait_group_gone(p.proc.pid, timeout=10)  # torch_shm_manager cleans /dev/shm after the main process exits
         kill_group(p.proc.pid)  # leftovers of the group: DHT, averager, p2pd
         try:
             p.proc.wait(timeout=5)

@@ -15,9 +15,13 @@ import psutil
 
 
 def reap_children(timeout: float = 5.0) -> None:
-    """Terminate, then kill, every descendant of this process that is still running."""
+    """Terminate, then kill, every descendant of this process that is still running.
+
+    torch's ``torch_shm_manager`` is spared: it deletes the shared-memory files of our tensors (hivemind uses the
+    file_system sharing strategy) once this process exits, and killing it first leaks them in /dev/shm.
+    """
     try:
-        children = psutil.Process().children(recursive=True)
+        children = [c for c in psutil.Process().children(recursive=True) if not c.name().startswith("torch_shm")]
     except psutil.Error:
         return
     for child in children:

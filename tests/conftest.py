@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 
 import psutil
@@ -26,6 +27,17 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return found
+
+
+def survivors(tag: str, grace: float = 15.0) -> list[str]:
+    """Command lines of tagged processes still alive after ``grace`` seconds (torch_shm_manager needs a few
+    seconds after its last client exits to delete the shared-memory files and quit by itself)."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = tagged_processes(tag)
+        if not alive or time.monotonic() > deadline:
+            return [" ".join(p.cmdline()) for p in alive]
+        time.sleep(0.5)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
 
 logger = get_logger(__name__)
+STREAM_OPEN_TIMEOUT = 10.0
 
 
 class ExactAllReduceRunner(AllReduceRunner):
@@ -43,6 +44,30 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.compression = compression
         self.bytes_sent = 0
         self.bytes_received = 0
+        container = self.tensor_part_container
+        register_failed_reducer = container.register_failed_reducer
+
+        def on_failed_reducer(peer_index: int) -> None:
+            register_failed_reducer(peer_index)
+            self._abort(f"reducer {self.ordered_peer_ids[peer_index]} failed")
+
+        container.register_failed_reducer = on_failed_reducer
+
+    def _abort(self, reason: str) -> None:
+        """Fail fast: once any part is lost the result can only be refused, so stop waiting for the rest.
+
+        Without this a peer kept waiting for the other slices until ``allreduce_timeout`` (seen under load: a
+        reducer handler blocked on writing to a dead peer's stream, so that sender was never banned and the
+        reducer's own slice never completed).
+        """
+        if not self._future.done():
+            self.finalize(exception=AllreduceException(f"all-reduce aborted: {reason}"))
+
+    async def _ban_sender(self, peer_id):
+        await super()._ban_sender(peer_id)
+        lost_from = self.tensor_part_reducer.sender_failed_after[self.sender_peer_ids.index(peer_id)]
+        if lost_from < self.tensor_part_reducer.num_parts:  # a ban after the last part loses nothing
+            self._abort(f"sender {peer_id} failed")
 
     def _part_complete(self, part_index: int) -> bool:
         """True iff every sender contributed to this part (no sender was banned before submitting it)."""
@@ -111,13 +136,18 @@ class ExactAllReduceRunner(AllReduceRunner):
 
 
 class _CountingStub:
-    """Wraps a peer stub so that the averaged parts a reducer streams back to us are counted as received."""
+    """Wraps a peer stub: bounds the time to open the stream, and counts the averaged parts streamed back to us.
+
+    Opening a stream to a peer that just died has no timeout in hivemind (p2pd keeps dialling); without the bound
+    the whole group waited for ``allreduce_timeout`` whenever a reducer died before we reached it (seen under load).
+    """
 
     def __init__(self, stub, runner: ExactAllReduceRunner):
         self._stub, self._runner = stub, runner
 
     async def rpc_aggregate_part(self, inputs):
-        stream = await self._stub.rpc_aggregate_part(inputs)
+        timeout = self._runner.reducer_timeout or STREAM_OPEN_TIMEOUT
+        stream = await asyncio.wait_for(self._stub.rpc_aggregate_part(inputs), timeout=timeout)
 
         async def counted():
             async for msg in stream:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tests.conftest import tagged_processes
+from tests.conftest import survivors, tagged_processes
 from tests.swarm.helpers import FAST, Proc, eval_by_round, load_json, wait_for_event
 from p2p_diloco.metrics import read_events
 
@@ -45,7 +45,7 @@ def test_three_peer_swarm_bit_identical_and_learning(tmp_path, reap):
                 per_round.setdefault(e["round"], set()).add(e["digest"])
     assert all(len(d) == 1 for d in per_round.values()), per_round
     assert "all digests agree: yes" in "".join(swarm.lines)
-    assert not tagged_processes(reap), "processes survived a finished swarm"
+    assert not survivors(reap), "processes survived a finished swarm"
 
 
 def test_late_joiner_reaches_swarm_digest(tmp_path, reap):
@@ -66,7 +66,7 @@ def test_late_joiner_reaches_swarm_digest(tmp_path, reap):
     assert loaded and loaded[0]["from_peer"] == first.peer_id and loaded[0]["round"] >= 1
     # after loading, the joiner took part in at least one all-reduce with the first peer
     assert any(e["event"] == "allreduce_done" and e["group_size"] == 2 for e in late_events)
-    assert not tagged_processes(reap)
+    assert not survivors(reap)
 
 
 def test_mismatched_config_is_refused(tmp_path, reap):
@@ -82,7 +82,7 @@ def test_mismatched_config_is_refused(tmp_path, reap):
     assert len([l for l in other.err_lines if l.strip()]) == 1, err
     first.signal(signal.SIGTERM)
     assert first.wait(60) == 0
-    assert not tagged_processes(reap)
+    assert not survivors(reap)
 
 
 def test_unreachable_initial_peer_fails_fast(reap):
@@ -93,7 +93,7 @@ def test_unreachable_initial_peer_fails_fast(reap):
     assert time.monotonic() - t0 < 45
     assert len([l for l in proc.err_lines if l.strip()]) == 1, proc.stderr_tail()
     assert "could not start or join the swarm" in proc.stderr_tail()
-    assert not tagged_processes(reap)
+    assert not survivors(reap)
 
 
 def test_interrupted_swarm_leaves_no_process(tmp_path, reap):
@@ -107,5 +107,4 @@ def test_interrupted_swarm_leaves_no_process(tmp_path, reap):
     assert sum("p2pd" in " ".join(p.cmdline()) for p in procs) >= 2, [p.cmdline() for p in procs]
     swarm.signal(signal.SIGINT)
     assert swarm.wait(90) == 130
-    time.sleep(0.5)
-    assert not tagged_processes(reap), [p.cmdline() for p in tagged_processes(reap)]
+    assert not survivors(reap)

@@ -1,0 +1,75 @@
+"""One ExactAverager peer for test_averager.py, run as its own subprocess (process group).
+
+Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K]
+Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+
+SHAPES = [(512, 1024), (333,)]
+
+
+def make_tensors(i: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(i)
+    return [torch.randn(*s, generator=g) for s in SHAPES]
+
+
+def die_mid_allreduce(after_parts: int) -> None:
+    """Patch the sender so that the peer's whole process group is SIGKILLed after streaming ``after_parts`` parts."""
+    from p2p_diloco.swarm.averager import ExactAllReduceRunner
+
+    original = ExactAllReduceRunner._generate_input_for_peer
+
+    async def dying(self, peer_index):
+        sent = 0
+        async for msg in original(self, peer_index):
+            if sent == after_parts:  # we run in the averager process; take the whole peer down with us
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+            sent += 1
+            yield msg
+
+    ExactAllReduceRunner._generate_input_for_peer = dying
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("index", type=int)
+    p.add_argument("group_size", type=int)
+    p.add_argument("out")
+    p.add_argument("--initial", nargs="*", default=None)
+    p.add_argument("--die-after-parts", type=int, default=None)
+    args = p.parse_args()
+    import hivemind
+
+    from p2p_diloco.outer import digest
+    from p2p_diloco.swarm.averager import ExactAverager
+
+    if args.die_after_parts is not None:
+        die_mid_allreduce(args.die_after_parts)
+    dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
+    av = ExactAverager(make_tensors(args.index), dht, start=True, prefix="avgtest", min_matchmaking_time=5.0,
+                       request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16)
+    av.set_round_params("0110", args.group_size, timeout=10)
+    try:
+        result = av.step(weight=float(args.index + 1), timeout=30, allow_retries=False)
+        with av.get_tensors() as ts:
+            torch.save([t.clone() for t in ts], args.out + ".pt")
+            out = {"ok": True, "digest": digest(ts), "group_size": result["group_size"],
+                   "bytes_sent": result["bytes_sent"], "bytes_received": result["bytes_received"]}
+    except Exception as e:
+        out = {"ok": False, "error": repr(e)[:300]}
+    with open(args.out + ".json", "w") as f:
+        json.dump(out, f)
+    av.shutdown()
+    dht.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
