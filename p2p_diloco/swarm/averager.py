@@ -138,8 +138,9 @@ class ExactAllReduceRunner(AllReduceRunner):
 class _CountingStub:
     """Wraps a peer stub: bounds the time to open the stream, and counts the averaged parts streamed back to us.
 
-    Opening a stream to a peer that just died has no timeout in hivemind (p2pd keeps dialling); without the bound
-    the whole group waited for ``allreduce_timeout`` whenever a reducer died before we reached it (seen under load).
+    hivemind puts no timeout on opening the stream (the dial to a peer that just died is up to p2pd), so it is
+    bounded here like every other wait. This is defensive: the hang actually seen under load was the one that
+    :meth:`ExactAllReduceRunner._abort` fixes.
     """
 
     def __init__(self, stub, runner: ExactAllReduceRunner):

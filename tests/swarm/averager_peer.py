@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -57,6 +58,7 @@ def main() -> None:
     av = ExactAverager(make_tensors(args.index), dht, start=True, prefix="avgtest", min_matchmaking_time=5.0,
                        request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16)
     av.set_round_params("0110", args.group_size, timeout=10)
+    t0 = time.monotonic()
     try:
         result = av.step(weight=float(args.index + 1), timeout=30, allow_retries=False)
         with av.get_tensors() as ts:
@@ -64,7 +66,7 @@ def main() -> None:
             out = {"ok": True, "digest": digest(ts), "group_size": result["group_size"],
                    "bytes_sent": result["bytes_sent"], "bytes_received": result["bytes_received"]}
     except Exception as e:
-        out = {"ok": False, "error": repr(e)[:300]}
+        out = {"ok": False, "error": repr(e)[:300], "seconds": time.monotonic() - t0}
     with open(args.out + ".json", "w") as f:
         json.dump(out, f)
     av.shutdown()

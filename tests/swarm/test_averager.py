@@ -73,9 +73,9 @@ def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap):
 
 
 def test_peer_death_mid_allreduce_applies_nothing(tmp_path, reap):
-    t0 = time.monotonic()
     results = _run(tmp_path, 3, reap, victim=2)
     assert len(results) == 2
     assert not any(r["ok"] for r in results.values()), results
-    # failure is detected from the dead peer's streams, not by waiting out allreduce_timeout (30 s)
-    assert time.monotonic() - t0 < 30 + 20
+    # The survivors give up as soon as a part is lost (2-6 s measured, matchmaking included), not by waiting out
+    # allreduce_timeout (30 s), which is what they did before ExactAllReduceRunner._abort.
+    assert all(r["seconds"] < 20 for r in results.values()), results
