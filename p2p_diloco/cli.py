@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on")
     join.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to advertise")
     join.add_argument("--data-seed", type=int, help="this peer's data order (default: from its peer id)")
+    join.add_argument("--checkpoint-dir", help="save a checkpoint here at round boundaries (keeps the last k)")
+    join.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     _add_config_args(join)
     swarm = sub.add_parser("swarm", help="run N peers on 127.0.0.1, each a separate join process")
     swarm.add_argument("--peers", type=int, required=True, help="number of peers")
@@ -72,7 +74,11 @@ def load_join_config(args: argparse.Namespace):
     from .config import apply_overrides, load_config
 
     cfg = load_config(args.config, args.sets)
-    flags: dict[str, dict] = {"run": {}, "train": {}, "data": {}, "swarm": {}}
+    flags: dict[str, dict] = {"run": {}, "train": {}, "data": {}, "swarm": {}, "checkpoint": {}}
+    if getattr(args, "checkpoint_dir", None) is not None:
+        flags["checkpoint"]["dir"] = args.checkpoint_dir
+    if getattr(args, "resume", False):
+        flags["checkpoint"]["resume"] = True
     if args.run_id is not None:
         flags["run"]["run_id"] = args.run_id
     if args.max_rounds is not None:

@@ -128,6 +128,24 @@ class SwarmConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Round-boundary checkpoints (``--checkpoint-dir``, ``--resume``). Empty ``dir`` = no checkpoints."""
+
+    dir: str = ""
+    keep: int = 3  # the newest ``keep`` checkpoints are kept
+    every_rounds: int = 1  # save after every N-th round (and always on a graceful stop)
+    resume: bool = False  # continue from the newest checkpoint in ``dir`` (an error if there is none)
+
+
+@dataclass
+class DebugConfig:
+    """Fault-injection hooks for the project's own tests and benchmarks. Never set them in a real run."""
+
+    corrupt_theta_at_round: int = 0  # after the outer step of this round, perturb theta (desync-repair test)
+    part_delay: float = 0.0  # seconds slept before sending each all-reduce part (to aim signals mid-transfer)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -137,6 +155,8 @@ class Config:
     outer: OuterConfig = field(default_factory=OuterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -255,6 +275,8 @@ def validate(cfg: Config) -> None:
         "swarm.allreduce_timeout": cfg.swarm.allreduce_timeout,
         "swarm.peer_ttl": cfg.swarm.peer_ttl,
         "swarm.heartbeat_period": cfg.swarm.heartbeat_period,
+        "checkpoint.keep": cfg.checkpoint.keep,
+        "checkpoint.every_rounds": cfg.checkpoint.every_rounds,
     }
     for name, value in positive.items():
         if value <= 0:
@@ -283,3 +305,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("swarm.request_timeout must be smaller than swarm.matchmaking_time")
     if cfg.swarm.peer_ttl <= cfg.swarm.heartbeat_period:
         raise ConfigError("swarm.peer_ttl must be larger than swarm.heartbeat_period")
+    if cfg.checkpoint.resume and not cfg.checkpoint.dir:
+        raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
+    if cfg.debug.part_delay < 0 or cfg.debug.corrupt_theta_at_round < 0:
+        raise ConfigError("debug.part_delay and debug.corrupt_theta_at_round must be >= 0")

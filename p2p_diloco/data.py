@@ -229,7 +229,15 @@ class PackedStream:
     def tokens_per_batch(self) -> int:
         return self.cfg.batch_size * self.cfg.seq_len
 
+    def close(self) -> None:
+        """Close the document iterator now. A streaming dataset's iterator owns a thread pool; left to the garbage
+        collector, its shutdown can run inside CPython's thread bootstrap and deadlock the process (seen here)."""
+        texts, self._texts = getattr(self, "_texts", None), None
+        if texts is not None:
+            texts.close()
+
     def _reset(self, epoch: int, doc: int) -> None:
+        self.close()
         self._epoch, self._next_doc = epoch, doc  # the next document to tokenize
         self._texts: Iterator[str] | None = None  # that epoch's remaining documents
         self._pending: deque[tuple[int, int, np.ndarray]] = deque()  # (epoch, doc, tokens) not yet used up

@@ -8,13 +8,17 @@ A round, seen from one peer holding the global weights theta(r) (bit-identical o
 3. average it, weighted by tokens trained, with *every* live peer of round r (the group size is taken from the
    live records in the DHT, and hivemind is told to form a group of exactly that size, so the swarm never splits
    into disjoint groups that would each average a different subset);
-4. apply the outer Nesterov step -> theta(r+1); 5. copy theta(r+1) into the model.
+4. apply the outer Nesterov step -> theta(r+1); copy it into the model; checkpoint.
 
-Failure rules, in the order they are checked (each wait is bounded by a ``[swarm]`` timeout):
+Failure rules, checked in this order before every all-reduce attempt (each wait is bounded by a ``[swarm]``
+timeout, see docs/protocol.md):
 
-* a live peer is already past round r -> we missed the round: download (round, theta, momentum) from it;
-* no other live peer is in round r -> we are the whole swarm: apply our own pseudo-gradient;
-* the all-reduce fails in any way -> apply nothing, re-read the records, and try again.
+* a live peer is already past round r -> we missed the round: download (round, theta, momentum) from a peer
+  holding the majority digest of the highest round, trying the next donor if one fails mid-transfer;
+* the peers of round r mostly hold another digest than ours -> our theta is corrupt: download theta(r) from the
+  majority, sit the rest of the round out (phase "repair"), and take theta(r+1) when the others have it;
+* no other live peer is in round r, confirmed over a record lifetime -> we are the whole swarm: solo step;
+* the all-reduce fails in any way (a peer died, froze, left) -> apply nothing, re-read the records, try again.
 
 Round numbers are swarm-wide: ``max_rounds`` R means "stop once theta(R) exists", for late joiners too.
 """
@@ -29,17 +33,21 @@ from typing import Any, Callable
 
 import torch
 
+from . import consensus
 from . import outer as outer_mod
+from .checkpoint import CheckpointStore, PeerState, capture_rng, restore_rng
 from .config import Config
 from .data import PackedStream, eval_batches
 from .errors import RoundFailed
 from .inner import InnerTrainer, evaluate, resolve_device
 from .metrics import Metrics
 from .model import build_model, count_parameters
+from .recovery import Recovery
 from .tokenizer import build_tokenizer, vocab_size
 
 log = logging.getLogger(__name__)
-SYNCED_PHASES = ("train", "sync", "done")  # phases in which a record's round/digest describe real global weights
+SYNCED_PHASES = consensus.SYNCED_PHASES
+PROGRESS_EVERY = 10  # inner steps between inner_progress events (fault benchmarks count lost work with them)
 
 
 def data_seed_for(peer_id: str) -> int:
@@ -47,8 +55,8 @@ def data_seed_for(peer_id: str) -> int:
     return int(hashlib.sha256(peer_id.encode()).hexdigest()[:8], 16)
 
 
-class Peer:
-    """A DiLoCo peer: inner training, outer step and the round protocol.
+class Peer(Recovery):
+    """A DiLoCo peer: inner training, outer step, the round protocol, fault recovery and checkpoints.
 
     Args:
         cfg: the full run config.
@@ -56,12 +64,19 @@ class Peer:
         swarm_factory: ``(cfg, tensors_like, state_provider) -> Swarm``; see :mod:`p2p_diloco.swarm`.
         stop: set it (e.g. from a signal handler) to stop at the next safe point.
         on_started: called with the swarm once it is up (the CLI prints the join line from it).
+
+    Raises:
+        CheckpointError: ``checkpoint.resume`` is set and the newest checkpoint is missing, corrupt or belongs
+            to another config (raised here, before anything joins the swarm).
     """
 
     def __init__(self, cfg: Config, metrics: Metrics, swarm_factory: Callable[..., Any],
                  stop: threading.Event | None = None, on_started: Callable[[Any], None] | None = None):
         self.cfg, self.metrics, self.stop = cfg, metrics, stop or threading.Event()
         self.on_started = on_started
+        self.store = CheckpointStore(cfg.checkpoint.dir, cfg.checkpoint.keep) if cfg.checkpoint.dir else None
+        self.resumed: PeerState | None = self.store.load(fingerprint=cfg.fingerprint()) if (
+            self.store and cfg.checkpoint.resume) else None
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
         self.device = resolve_device(cfg.train.device)
@@ -78,6 +93,8 @@ class Peer:
         self.tokens_trained = self.bytes_sent = self.bytes_received = self.rounds_participated = 0
         self.eval_first: float | None = None
         self.eval_last: float | None = None
+        self._last_group_size = 1
+        self._at_boundary = True  # no inner step since theta(self.round) was set: a consistent checkpoint point
         log.info("model: %d parameters, fingerprint %s", count_parameters(self.model), cfg.fingerprint())
 
     # ------------------------------------------------------------------------------------------------ driver
@@ -87,21 +104,32 @@ class Peer:
         try:
             if self.on_started:
                 self.on_started(self.swarm)
-            seed = self.cfg.data.seed if self.cfg.data.seed >= 0 else data_seed_for(self.swarm.peer_id)
-            self.data = PackedStream(self.tokenizer, self.cfg.data, seed)
-            horizon = self.cfg.train.total_steps or self.cfg.run.max_rounds * self.cfg.train.inner_steps
-            self.trainer = InnerTrainer(self.model, self.cfg.train, self.data.next_batch, horizon, self.device)
+            self._build_trainer()
             self._wait_for_peers()
-            self.catch_up()
-            self.swarm.publish(phase="train", round=self.round, digest=self.digest)
-            self._evaluate()
+            self._join_swarm()
             while not self.stop.is_set() and not self._finished():
                 self.run_round()
             if self._finished():
                 self._linger_for_stragglers()
+            elif self._at_boundary:
+                self._save_checkpoint(force=True)  # stopped between rounds: keep exactly this point
         finally:
             self.swarm.shutdown()
+            if hasattr(self, "data"):
+                self.data.close()
         return self.summary()
+
+    def _build_trainer(self) -> None:
+        saved = self.resumed.extra if self.resumed else {}
+        seed = saved.get("data_seed", self.cfg.data.seed)
+        if seed is None or seed < 0:
+            seed = data_seed_for(self.swarm.peer_id)
+        self.data_seed = seed
+        self.data = PackedStream(self.tokenizer, self.cfg.data, seed)
+        horizon = self.cfg.train.total_steps or self.cfg.run.max_rounds * self.cfg.train.inner_steps
+        self.trainer = InnerTrainer(self.model, self.cfg.train, self.data.next_batch, horizon, self.device)
+        if self.resumed:
+            self._restore(self.resumed)
 
     def _finished(self) -> bool:
         return 0 < self.cfg.run.max_rounds <= self.round
@@ -119,7 +147,7 @@ class Peer:
     def run_round(self) -> None:
         r = self.round
         self.metrics.event("round_start", r + 1, digest=self.digest)
-        tokens = self._train_inner(r)
+        tokens, steps = self._train_inner(r)
         if self.stop.is_set():
             return
         delta = [torch.empty_like(t) for t in self.theta]
@@ -129,41 +157,60 @@ class Peer:
                 self.outer.step(delta)
                 self.round, self.digest = r + 1, outer_mod.digest(self.theta)
             self.rounds_participated += 1
-            self.metrics.event("outer_step", self.round, digest=self.digest)
+            self.metrics.event("outer_step", self.round, digest=self.digest, inner_steps=steps)
+            self._debug_corrupt()
+        self._boundary()
+
+    def _boundary(self) -> None:
+        """theta(self.round) is set (outer step or download): load it, announce it, checkpoint, evaluate."""
         outer_mod.load_into(self.params, self.theta)
+        self._at_boundary = True
         self.swarm.publish(phase="train", round=self.round, digest=self.digest, inner_step=0)
         self.swarm.set_donor_round(self.round)
+        self._save_checkpoint()
         if self.round % self.cfg.eval.every_rounds == 0 or self._finished():
             self._evaluate()
 
-    def _train_inner(self, r: int) -> int:
+    def _train_inner(self, r: int) -> tuple[int, int]:
         H, tokens, t0 = self.cfg.train.inner_steps, 0, time.monotonic()
-        for k in range(H):
+        k = 0
+        for k in range(1, H + 1):
             if self.stop.is_set():
+                k -= 1
                 break
-            loss, n = self.trainer.step(r * H + k)
+            self._at_boundary = False
+            loss, n = self.trainer.step(r * H + k - 1)
             tokens += n
-            self.swarm.update(inner_step=k + 1, tokens=self.tokens_trained + tokens)
+            self.swarm.update(inner_step=k, tokens=self.tokens_trained + tokens)
+            if k % PROGRESS_EVERY == 0 or k == H:
+                self.metrics.event("inner_progress", r + 1, inner_step=k, loss=round(loss, 4))
             rate = tokens / max(time.monotonic() - t0, 1e-9)
-            self.metrics.status(f"round {r + 1} inner_step {k + 1}/{H} loss {loss:.3f} {rate:,.0f} tok/s")
+            self.metrics.status(f"round {r + 1} inner_step {k}/{H} loss {loss:.3f} {rate:,.0f} tok/s")
         self.tokens_trained += tokens
-        return tokens
+        return tokens, k
 
     def _sync(self, r: int, delta: list[torch.Tensor], tokens: int) -> bool:
-        """Average ``delta`` in place with round ``r``'s peers. False if we fell behind and loaded state."""
+        """Average ``delta`` in place with round ``r``'s peers. False if we fell behind or repaired instead."""
         deadline = time.monotonic() + self.cfg.swarm.round_timeout
         attempt = 0
         while not self.stop.is_set():
             peers = self._live_peers()
-            if any(p.get("round", -1) > r and p.get("phase") in SYNCED_PHASES for p in peers.values()):
+            if consensus.swarm_round(peers) > r:
                 self.catch_up()
+                return False
+            good = consensus.needs_repair(peers, r, self.digest)
+            if good is not None:
+                self._repair(r, good, peers)
                 return False
             ready = ("sync",) if time.monotonic() > deadline else ("train", "sync")
             mates = sorted(pid for pid, p in peers.items() if p.get("round") == r and p.get("phase") in ready)
             if not mates:
+                if not self._confirm_alone(r):
+                    continue
                 log.info("round %d: no other live peer in this round; applying our own pseudo-gradient", r + 1)
                 self.metrics.event("allreduce_done", r + 1, group_size=1, bytes_sent=0, bytes_received=0,
                                    seconds=0.0, lone=True)
+                self._last_group_size = 1
                 return True
             attempt += 1
             if self._all_reduce(r, delta, tokens, len(mates) + 1, attempt):
@@ -176,63 +223,80 @@ class Peer:
         self.metrics.status(f"round {r + 1} all-reduce: matchmaking with {group_size} peers (attempt {attempt})")
         gather = {"round": r, "digest": self.digest, "tokens": tokens}
         try:
-            result = self.swarm.all_reduce(r, delta, tokens, group_size, gather)
+            result = self.swarm.all_reduce(
+                r, delta, tokens, group_size, gather, should_stop=self.stop.is_set,
+                on_running=lambda: self.metrics.event("allreduce_running", r + 1, attempt=attempt))
         except RoundFailed as e:
             self.metrics.event("allreduce_failed", r + 1, reason=str(e), attempt=attempt)
             return False
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
+        self._last_group_size = result.group_size
         self._check_group(r, result.gathered)
         self.metrics.event("allreduce_done", r + 1, group_size=result.group_size, bytes_sent=result.bytes_sent,
                            bytes_received=result.bytes_received, seconds=round(result.seconds, 3))
         return True
 
     def _check_group(self, r: int, gathered: dict[str, Any]) -> None:
-        """Every member must have started the round from the same theta; a mismatch is a desync, logged loudly."""
+        """Every member must have started the round from the same theta; a mismatch is a desync, logged loudly.
+
+        The result is still applied: the next round's digest check repairs whichever side is in the minority.
+        """
         other = {pid: g.get("digest") for pid, g in gathered.items() if g.get("digest") != self.digest}
         if other or any(g.get("round") != r for g in gathered.values()):
             log.error("round %d: group members started from different global weights: %s", r + 1, other)
             self.metrics.event("digest_mismatch", r + 1, ours=self.digest, theirs=other)
 
-    # ------------------------------------------------------------------------------------------ state sharing
-    def _state_for_donation(self) -> tuple[dict, list[torch.Tensor]]:
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def _save_checkpoint(self, force: bool = False) -> None:
+        """Save the round-boundary state (atomic, keeps the last k); a failure is logged, never fatal."""
+        if self.store is None or getattr(self, "_saved", None) == (self.round, self.digest):
+            return
+        if not force and self.round % self.cfg.checkpoint.every_rounds:
+            return
+        extra = {"data_seed": self.data_seed, "tokens_trained": self.tokens_trained,
+                 "rounds_participated": self.rounds_participated, "bytes_sent": self.bytes_sent,
+                 "bytes_received": self.bytes_received, "eval_first": self.eval_first,
+                 "peer_id": getattr(self.swarm, "peer_id", "")}
         with self._state_lock:
-            meta = {"round": self.round, "digest": self.digest, "fp": self.cfg.fingerprint(),
-                    "peer_id": getattr(self.swarm, "peer_id", "")}
-            return meta, [t.clone() for t in self.outer.state_tensors()]
-
-    def catch_up(self) -> None:
-        """If a live peer is past our round, download its (round, theta, momentum); verify before using it."""
-        for _ in range(3):
-            peers = self._live_peers()
-            target = max((p.get("round", -1) for p in peers.values() if p.get("phase") in SYNCED_PHASES),
-                         default=-1)
-            if target <= self.round or self.stop.is_set():
+            state = PeerState(round=self.round, fingerprint=self.cfg.fingerprint(), global_digest=self.digest,
+                              theta=self.theta, momentum=self.outer.momentum_buffers,
+                              model=self.model.state_dict(), inner_optimizer=self.trainer.optimizer.state_dict(),
+                              data=self.data.state_dict(), rng=capture_rng(), extra=extra)
+            try:
+                path = self.store.save(state)
+            except OSError as e:
+                log.error("checkpoint of round %d failed (the previous one is intact): %s", self.round, e)
                 return
-            self.metrics.status(f"downloading state of round {target} from the swarm")
-            if self._load_state(target):
-                return
-        log.warning("could not download the swarm's state; continuing from round %d", self.round)
+        self._saved = (self.round, self.digest)
+        self.metrics.event("checkpoint_saved", self.round, path=str(path), digest=self.digest)
 
-    def _load_state(self, target: int) -> bool:
-        loaded = self.swarm.load_state()
-        if loaded is None:
-            return False
-        meta, tensors = loaded
-        n = len(self.theta)
-        if meta.get("fp") != self.cfg.fingerprint() or meta.get("round", -1) < target or len(tensors) != 2 * n:
-            log.warning("rejected state from %s: round/fingerprint/shape mismatch", meta.get("peer_id"))
-            return False
-        if outer_mod.digest(tensors[:n]) != meta.get("digest"):
-            log.warning("rejected state from %s: digest does not match its contents", meta.get("peer_id"))
-            return False
+    def _restore(self, state: PeerState) -> None:
+        """Continue exactly from a checkpoint: outer state, model, inner optimizer, data cursor, RNG, counters."""
         with self._state_lock:
-            self.outer.load_state_tensors(tensors)
-            self.round, self.digest = int(meta["round"]), meta["digest"]
-        outer_mod.load_into(self.params, self.theta)
-        self.swarm.set_donor_round(self.round)
-        self.metrics.event("state_loaded", self.round, from_peer=meta.get("peer_id"), digest=self.digest)
-        return True
+            self.outer.load_state_tensors([*state.theta, *state.momentum])
+            self.round, self.digest = state.round, state.global_digest
+        self.model.load_state_dict(state.model)
+        self.trainer.optimizer.load_state_dict(state.inner_optimizer)
+        self.data.load_state_dict(state.data)
+        restore_rng(state.rng)
+        extra = state.extra
+        self.tokens_trained = extra.get("tokens_trained", 0)
+        self.rounds_participated = extra.get("rounds_participated", 0)
+        self.bytes_sent, self.bytes_received = extra.get("bytes_sent", 0), extra.get("bytes_received", 0)
+        self.eval_first = extra.get("eval_first")
+        self._saved = (self.round, self.digest)
+        self.metrics.event("resumed", self.round, digest=self.digest, path=str(self.store.latest()))
+
+    def _debug_corrupt(self) -> None:
+        """Test hook (``debug.corrupt_theta_at_round``): silently perturb theta, as a bit flip or bug would."""
+        if self.cfg.debug.corrupt_theta_at_round != self.round:
+            return
+        with self._state_lock:
+            self.theta[0].view(-1)[0] += 1e-3
+            self.digest = outer_mod.digest(self.theta)
+        log.warning("debug: corrupted theta after round %d (digest now %s)", self.round, self.digest[:12])
+        self.metrics.event("debug_corrupted", self.round, digest=self.digest)
 
     # ------------------------------------------------------------------------------------------------- misc
     def _evaluate(self) -> None:

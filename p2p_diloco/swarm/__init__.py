@@ -120,6 +120,7 @@ class Swarm:
             compression=compression, declare_state_period=max(5.0, self.sc.peer_ttl), shutdown_timeout=5,
         )
         self.averager.state_provider = self._state_provider
+        self.averager.part_delay = self.cfg.debug.part_delay  # copied into the averager process when it forks
         self.averager.run_in_background(await_ready=True, timeout=self.sc.startup_timeout)
 
     def visible_maddrs(self) -> list[str]:
@@ -210,11 +211,14 @@ class Swarm:
 
     # ---------------------------------------------------------------------------------------------- averaging
     def all_reduce(self, round_: int, tensors: Sequence[torch.Tensor], weight: float, group_size: int,
-                   gather: dict[str, Any]) -> AllReduceResult:
+                   gather: dict[str, Any], should_stop: Callable[[], bool] = lambda: False,
+                   on_running: Callable[[], None] = lambda: None) -> AllReduceResult:
         """Average ``tensors`` (weighted) with exactly ``group_size`` peers of round ``round_``, in place.
 
         On success every member holds bit-identical averages. On any failure raises :class:`RoundFailed` and
-        leaves ``tensors`` untouched, so the caller cannot apply a partial result by mistake.
+        leaves ``tensors`` untouched, so the caller cannot apply a partial result by mistake. ``should_stop`` is
+        polled: a stop request cancels the step (the others see our part go missing and redo the round without
+        us). ``on_running`` is called once the group is assembled and the tensors start to flow.
         """
         if weight <= 0:
             raise ValueError("all-reduce weight must be > 0")  # all-zero weights give NaN everywhere
@@ -227,7 +231,7 @@ class Swarm:
         control = self.averager.step(gather=gather, weight=float(weight), timeout=look, allow_retries=False,
                                      wait=False)
         try:
-            result = control.result(timeout=look + self.sc.allreduce_timeout + 10)
+            result = self._wait_step(control, t0 + look + self.sc.allreduce_timeout + 10, should_stop, on_running)
         except BaseException as e:
             if not control.done():
                 control.cancel()
@@ -243,14 +247,34 @@ class Swarm:
         return AllReduceResult(result["group_size"], result.get("bytes_sent", 0), result.get("bytes_received", 0),
                                time.monotonic() - t0, gathered)
 
+    @staticmethod
+    def _wait_step(control, deadline: float, should_stop: Callable[[], bool], on_running: Callable[[], None]):
+        running = False
+        while True:
+            if should_stop():
+                raise RoundFailed("stopped")
+            if not running and control.began_allreduce:
+                running = True
+                on_running()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("all-reduce step did not finish in time")
+            try:
+                return control.result(timeout=min(0.1, left))
+            except TimeoutError:
+                continue
+
     def set_donor_round(self, round_: int) -> None:
         """Peers downloading state prefer the donor in the highest round."""
         self.averager.state_sharing_priority = float(round_)
 
-    def load_state(self) -> tuple[dict, list[torch.Tensor]] | None:
-        """Download ``(metadata, tensors)`` from the live peer in the highest round, or None."""
-        loaded = self.averager.load_state_from_peers(timeout=self.sc.state_timeout)
-        if loaded is None:
-            return None
-        metadata, tensors = loaded
+    def download_state(self, peer_id: str) -> tuple[dict, list[torch.Tensor]]:
+        """Download ``(metadata, tensors)`` from the given live peer; raises :class:`RoundFailed` on any failure
+        (the donor died or froze mid-transfer, refused, or sent nothing) within ``swarm.state_timeout``."""
+        try:
+            metadata, tensors = self.averager.download_state(peer_id, timeout=self.sc.state_timeout)
+        except Exception as e:
+            raise RoundFailed(f"state download from {peer_id} failed: {_one_line(e)}") from None
+        if not isinstance(metadata, dict):
+            raise RoundFailed(f"state download from {peer_id} failed: malformed metadata")
         return metadata, list(tensors)

@@ -27,10 +27,12 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, azip
+from hivemind.utils.streaming import combine_from_streaming
 
 logger = get_logger(__name__)
 STREAM_OPEN_TIMEOUT = 10.0
@@ -42,6 +44,7 @@ class ExactAllReduceRunner(AllReduceRunner):
     def __init__(self, *, compression, **kwargs):
         super().__init__(compression=compression, **kwargs)
         self.compression = compression
+        self.part_delay = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0
         container = self.tensor_part_container
@@ -118,6 +121,8 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for msg in super()._generate_input_for_peer(peer_index):
+            if self.part_delay:  # fault tests only: stretch the transfer so a signal can land in the middle of it
+                await asyncio.sleep(self.part_delay)
             self.bytes_sent += msg.tensor_part.ByteSize()
             yield msg
 
@@ -168,6 +173,7 @@ class ExactAverager(DecentralizedAverager):
 
     _last_stats: dict
     state_provider = None  # host-side callable returning (metadata, tensors); set before the averager starts
+    part_delay = 0.0  # seconds slept before sending each part: a fault-test hook (debug.part_delay), never in runs
 
     def get_current_state(self):
         """Host process, background thread: what a joining peer downloads from us."""
@@ -186,6 +192,7 @@ class ExactAverager(DecentralizedAverager):
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, **kwargs,
         )
+        runner.part_delay = self.part_delay
         assert group_id in self._running_groups, "group must be registered by _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         async for tensor, averaged in azip(as_aiter(*tensors), runner):
@@ -215,3 +222,47 @@ class ExactAverager(DecentralizedAverager):
                                                               future=future)))
         future.result(timeout=timeout)
 
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in super().rpc_download_state(request, context):
+            if self.part_delay:  # fault tests only: stretch the transfer so a donor can be killed in the middle
+                await asyncio.sleep(self.part_delay)
+            yield message
+
+    async def _download_state(self, peer: str, timeout: float, future: MPFuture) -> None:
+        """Averager process: stream ``peer``'s (metadata, tensors), bounded in total and per chunk."""
+
+        async def fetch():
+            stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
+            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+            metadata, tensors, parts = None, [], []
+            async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or self.request_timeout):
+                if message.metadata:
+                    metadata = self.serializer.loads(message.metadata)
+                if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                    parts = []
+                parts.append(message.tensor_part)
+            if parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            return metadata, tensors
+
+        try:
+            metadata, tensors = await asyncio.wait_for(fetch(), timeout=timeout)
+            if metadata is None:
+                raise RuntimeError("the peer sent no state (it is not sharing state)")
+            future.set_result((metadata, tensors))
+        except BaseException as e:  # the host gets the reason; the averager's loop must survive
+            if not future.done():
+                future.set_exception(RuntimeError(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__))
+            if not isinstance(e, Exception):
+                raise
+
+    def download_state(self, peer: str, timeout: float):
+        """Download ``(metadata, tensors)`` from one given peer (base58 id), or raise. Unlike hivemind's
+        ``load_state_from_peers`` the host chooses the donor, so it can ask for the majority's weights and move
+        on to the next donor when one dies mid-transfer."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state", [], dict(peer=peer, timeout=timeout, future=future)))
+        return future.result(timeout=timeout + 5)

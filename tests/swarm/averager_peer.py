@@ -1,6 +1,6 @@
 """One ExactAverager peer for test_averager.py, run as its own subprocess (process group).
 
-Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K]
+Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K] [--attempts A]
 Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
 """
 
@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--initial", nargs="*", default=None)
     p.add_argument("--die-after-parts", type=int, default=None)
+    p.add_argument("--attempts", type=int, default=1)
     args = p.parse_args()
     import hivemind
 
@@ -57,16 +58,31 @@ def main() -> None:
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
     av = ExactAverager(make_tensors(args.index), dht, start=True, prefix="avgtest", min_matchmaking_time=5.0,
                        request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16)
-    av.set_round_params("0110", args.group_size, timeout=10)
     t0 = time.monotonic()
-    try:
-        result = av.step(weight=float(args.index + 1), timeout=30, allow_retries=False)
+    errors = []
+    for _ in range(args.attempts):
+        # Like Swarm.all_reduce: every attempt starts from our own tensors and the round's group key, because a
+        # failed attempt leaves garbage in the buffers and hivemind moves the group key once a group assembles.
+        # A retry is needed in practice: hivemind's matchmaking can assemble a group that one follower never hears
+        # of (its join stream is reset), and then the others' all-reduce aborts for want of its parts.
+        with av.get_tensors() as ts:
+            for t, mine in zip(ts, make_tensors(args.index)):
+                t.copy_(mine)
+        av.set_round_params("0110", args.group_size, timeout=10)
+        try:
+            result = av.step(weight=float(args.index + 1), timeout=15, allow_retries=False)
+            break
+        except Exception as e:
+            errors.append(repr(e)[:300])
+    else:
+        result = None
+    if result is not None:
         with av.get_tensors() as ts:
             torch.save([t.clone() for t in ts], args.out + ".pt")
-            out = {"ok": True, "digest": digest(ts), "group_size": result["group_size"],
+            out = {"ok": True, "digest": digest(ts), "group_size": result["group_size"], "attempts": len(errors) + 1,
                    "bytes_sent": result["bytes_sent"], "bytes_received": result["bytes_received"]}
-    except Exception as e:
-        out = {"ok": False, "error": repr(e)[:300], "seconds": time.monotonic() - t0}
+    else:
+        out = {"ok": False, "error": errors[-1], "errors": errors, "seconds": time.monotonic() - t0}
     with open(args.out + ".json", "w") as f:
         json.dump(out, f)
     av.shutdown()

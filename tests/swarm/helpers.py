@@ -67,8 +67,12 @@ class Proc:
         self.proc.send_signal(sig)
 
     def kill_group(self) -> None:
+        self.signal_group(signal.SIGKILL)
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the peer's whole process group (python, DHT, averager, p2pd), as a crash or freeze would."""
         try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
 
@@ -95,3 +99,39 @@ def load_json(path: Path) -> dict:
 
 def eval_by_round(events: list[dict]) -> dict[int, float]:
     return {e["round"]: e["loss"] for e in events if e["event"] == "eval"}
+
+
+# Fault tests: short rounds, and timeouts small enough that a lost peer costs seconds, not minutes.
+FAULT = [*FAST, "--inner-steps", "20", "--set", "swarm.allreduce_timeout=20", "--set", "swarm.next_chunk_timeout=5",
+         "--set", "swarm.part_size_bytes=16384"]
+
+
+def events_of(log_dir: Path, proc: Proc) -> list[dict]:
+    return read_events(log_dir / proc.peer_id / "events.jsonl")
+
+
+def start_peers(n: int, log_dir: Path, tag: str, run_id: str, rounds: int, extra: dict[int, list[str]] | None = None,
+                min_peers: int | None = None) -> list[Proc]:
+    """``n`` join processes of one run; peer 0 starts the swarm, the rest join it; all wait for ``min_peers``."""
+    extra = extra or {}
+    common = ["--run-id", run_id, "--max-rounds", str(rounds), "--log-dir", str(log_dir),
+              "--set", f"swarm.min_peers={min_peers or n}", *FAULT]
+    first = Proc(["join", *common, "--summary-json", str(log_dir / "p0.json"), *extra.get(0, [])], tag)
+    maddrs = first.wait_joined()
+    procs = [first]
+    for i in range(1, n):
+        procs.append(Proc(["join", "--initial-peers", *maddrs, *common, "--summary-json", str(log_dir / f"p{i}.json"),
+                           *extra.get(i, [])], tag))
+    for p in procs:
+        p.wait_joined()
+    return procs
+
+
+def digests_by_round(log_dir: Path, procs: list[Proc]) -> dict[int, set[str]]:
+    """Every digest each peer held after each round (from outer steps and state loads)."""
+    out: dict[int, set[str]] = {}
+    for p in procs:
+        for e in events_of(log_dir, p):
+            if e["event"] in ("outer_step", "state_loaded"):
+                out.setdefault(e["round"], set()).add(e["digest"])
+    return out

@@ -20,24 +20,25 @@ SCRIPT = Path(__file__).with_name("averager_peer.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _spawn(i, n, out, initial=None, die=None, tag=""):
-    cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out)]
+def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1):
+    cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out), "--attempts", str(attempts)]
     if initial:
         cmd += ["--initial", *initial]
     if die is not None:
         cmd += ["--die-after-parts", str(die)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), P2P_DILOCO_TEST_TAG=tag)
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                            start_new_session=True)
+    with open(f"{out}.log", "w") as log:  # hivemind's log, shown when a test fails
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
 
 
-def _run(tmp_path, n, tag, victim=None, timeout=120):
-    procs = [_spawn(0, n, tmp_path / "p0", tag=tag)]
+def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150):
+    procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts)]
     try:
         line = procs[0].stdout.readline()
         assert line.startswith("MADDRS"), line
         initial = line.split()[1:]
-        procs += [_spawn(i, n, tmp_path / f"p{i}", initial, 3 if i == victim else None, tag) for i in range(1, n)]
+        procs += [_spawn(i, n, tmp_path / f"p{i}", initial, 3 if i == victim else None, tag, attempts)
+                  for i in range(1, n)]
         deadline = time.monotonic() + timeout
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -49,12 +50,22 @@ def _run(tmp_path, n, tag, victim=None, timeout=120):
             except ProcessLookupError:
                 pass
             p.wait()
-    return {i: json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(n) if i != victim}
+    results = {}
+    for i in range(n):
+        if i != victim:
+            path = tmp_path / f"p{i}.json"
+            assert path.exists(), f"peer {i} wrote no result; its log:\n" + _tail(tmp_path / f"p{i}.log")
+            results[i] = json.loads(path.read_text())
+    return results
+
+
+def _tail(path, lines=40):
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
 
 def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap):
     n = 3
-    results = _run(tmp_path, n, reap)
+    results = _run(tmp_path, n, reap, attempts=3)
     assert all(r["ok"] for r in results.values()), results
     assert len({r["digest"] for r in results.values()}) == 1, "peers ended with different bits"
     weights = [float(i + 1) for i in range(n)]

@@ -104,15 +104,29 @@ def test_builtin_stream_starts_fast_and_differs_by_seed(tok):
 # ----------------------------------------------------------------------------- local files
 
 
+@pytest.fixture
+def make_stream():
+    """PackedStreams closed at the end of the test (a streaming iterator left to the GC can deadlock CPython)."""
+    made = []
+
+    def make(*args, **kwargs):
+        made.append(PackedStream(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for stream in made:
+        stream.close()
+
+
 @pytest.mark.parametrize("streaming", ["false", "true"])
-def test_each_epoch_is_every_train_doc_once_in_a_new_order(tok, jsonl_dir, streaming):
+def test_each_epoch_is_every_train_doc_once_in_a_new_order(tok, jsonl_dir, streaming, make_stream):
     path, docs = jsonl_dir
     cfg = _cfg(path, streaming=streaming)
     train, held = _texts(train_documents(cfg)), _texts(eval_documents(cfg))
     assert sorted(train + held) == sorted(docs) and held and not set(train) & set(held)
 
     per_epoch = sum(len(d.encode()) + 1 for d in train)
-    stream = PackedStream(tok, cfg, seed=3)
+    stream = make_stream(tok, cfg, seed=3)
     tokens = []
     while len(tokens) < 2 * per_epoch + 1:
         tokens += stream.next_batch().flatten().tolist()
@@ -124,25 +138,25 @@ def test_each_epoch_is_every_train_doc_once_in_a_new_order(tok, jsonl_dir, strea
 
 
 @pytest.mark.parametrize("streaming", ["false", "true"])
-def test_resume_from_state_dict_is_exact(tok, jsonl_dir, streaming):
+def test_resume_from_state_dict_is_exact(tok, jsonl_dir, streaming, make_stream):
     cfg = _cfg(jsonl_dir[0], streaming=streaming)
-    stream, drawn = PackedStream(tok, cfg, seed=11), 0
+    stream, drawn = make_stream(tok, cfg, seed=11), 0
     for steps in (0, 1, 7, 30, 61):  # 61 is in the second epoch
         for _ in range(steps - drawn):
             stream.next_batch()
         state = json.loads(json.dumps(stream.state_dict()))
         expected = [stream.next_batch() for _ in range(5)]
         drawn = steps + 5
-        resumed = PackedStream(tok, cfg, seed=11)
+        resumed = make_stream(tok, cfg, seed=11)
         resumed.load_state_dict(state)
         assert all(torch.equal(a, b) for a, b in zip(expected, [resumed.next_batch() for _ in range(5)])), state
     assert state["epoch"] >= 1
 
 
 @pytest.mark.parametrize("streaming", ["false", "true"])
-def test_same_seed_same_batches_other_seed_different(tok, jsonl_dir, streaming):
+def test_same_seed_same_batches_other_seed_different(tok, jsonl_dir, streaming, make_stream):
     cfg = _cfg(jsonl_dir[0], streaming=streaming)
-    a, b, c = (PackedStream(tok, cfg, seed=s) for s in (1, 1, 2))
+    a, b, c = (make_stream(tok, cfg, seed=s) for s in (1, 1, 2))
     batches = [(a.next_batch(), b.next_batch(), c.next_batch()) for _ in range(4)]
     assert all(torch.equal(x, y) for x, y, _ in batches)
     assert not all(torch.equal(x, z) for x, _, z in batches)

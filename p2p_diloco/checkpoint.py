@@ -1,0 +1,220 @@
+"""Crash-safe checkpoints of a peer's full state (:class:`PeerState`) at a round boundary.
+
+Files are written atomically, so a crash or Ctrl-C while saving never costs the previous checkpoint, and every
+load is verified, so a damaged file is reported on one line instead of silently resuming from wrong weights.
+Checkpoints are pickles (``weights_only=False`` is needed for the numpy RNG state): only load files this program
+wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import random
+import re
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from p2p_diloco.errors import UsageError
+from p2p_diloco.outer import digest
+
+FORMAT = 1
+_NAME = re.compile(r"round-(\d{8,})\.pt")
+
+
+class CheckpointError(UsageError):
+    """A checkpoint is missing, unreadable, corrupt or belongs to another config."""
+
+
+@dataclass
+class PeerState:
+    """Everything a peer needs to continue exactly from a round boundary."""
+
+    round: int  # swarm round number r (theta is theta(r))
+    fingerprint: str  # config fingerprint of the run that wrote the checkpoint
+    global_digest: str  # digest(theta), checked on load
+    theta: list[torch.Tensor]  # global weights
+    momentum: list[torch.Tensor]  # outer Nesterov momentum buffers, one per tensor of theta
+    model: dict  # model.state_dict() (local weights)
+    inner_optimizer: dict  # inner AdamW state_dict()
+    data: dict  # data stream cursor (plain Python values)
+    rng: dict  # from capture_rng()
+    extra: dict = field(default_factory=dict)  # counters: tokens_trained, rounds_participated, ...
+
+
+def capture_rng() -> dict:
+    """RNG states of Python ``random``, the numpy global generator, torch CPU and (if in use) every CUDA device."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    # is_initialized, not is_available: a process that never touched CUDA has consumed no CUDA randomness, and
+    # initialising CUDA here would break any later fork() and create contexts the peer never asked for.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    """Restore RNG states captured by :func:`capture_rng`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        # A resumed peer may see fewer GPUs than the one that saved; devices it no longer has are irrelevant.
+        for device, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
+
+
+def _cpu_clone(obj: Any) -> Any:
+    """Copy of nested dicts/lists/tuples with every tensor as a compact CPU clone.
+
+    Cloning decouples the file from the live tensors and keeps ``torch.save`` from writing the whole storage
+    behind a view.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        # copy.copy keeps the dict's class and attributes: state_dict()'s ``_metadata`` carries module versions.
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _cpu_clone(v)
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_cpu_clone(v) for v in obj)
+    return obj
+
+
+class CheckpointStore:
+    """A directory of ``round-XXXXXXXX.pt`` checkpoints, keeping the newest ``keep``.
+
+    Args:
+        directory: where the checkpoints live; created (with parents) on the first save.
+        keep: how many checkpoints to keep; below 1 raises ValueError.
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+
+    def save(self, state: PeerState) -> Path:
+        """Write ``state`` atomically as ``round-{round:08d}.pt`` and prune old checkpoints.
+
+        The file is written under a ``.tmp-`` name in the same directory (so the rename cannot cross file systems),
+        fsynced, renamed over the final name and the directory is fsynced: after a crash the final name holds the
+        old or the new complete file, never a partial one. Returns the new checkpoint's path.
+        """
+        payload = {"format": FORMAT, **{f.name: _cpu_clone(getattr(state, f.name)) for f in fields(PeerState)}}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.directory / f"round-{state.round:08d}.pt"
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(payload, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:  # KeyboardInterrupt too: never leave a half-written temp file behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        if os.name == "posix":  # makes the rename itself durable; directories cannot be opened on Windows
+            dir_fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        # Pruning only after the new file is in place, so there is always at least one complete checkpoint. The
+        # file just written is never pruned, even when it has a lower round number than the ones on disk.
+        others = [p for p in self.paths() if p != final]
+        for old in others[: max(0, len(others) + 1 - self.keep)]:
+            with contextlib.suppress(FileNotFoundError):
+                old.unlink()
+        return final
+
+    def paths(self) -> list[Path]:
+        """Existing checkpoint files, oldest to newest by round number (stray and ``.tmp-`` files ignored)."""
+        if not self.directory.is_dir():
+            return []
+        found = [p for p in self.directory.iterdir() if _NAME.fullmatch(p.name) and p.is_file()]
+        return sorted(found, key=_round_of)
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint, or None."""
+        paths = self.paths()
+        return paths[-1] if paths else None
+
+    def load(self, path: Path | None = None, fingerprint: str | None = None) -> PeerState:
+        """Load and verify a checkpoint; never modifies or deletes files.
+
+        Args:
+            path: the checkpoint to load; None for :meth:`latest`.
+            fingerprint: if given, the checkpoint must have been written by a run with this config fingerprint.
+
+        Raises:
+            CheckpointError: (one line) no checkpoint, unreadable, corrupt or from another config. If an older
+                checkpoint of the store verifies, the message points to it.
+        """
+        if path is None:
+            path = self.latest()
+            if path is None:
+                raise CheckpointError(f"no checkpoint in {self.directory}")
+        path = Path(path)
+        try:
+            return _read(path, fingerprint)
+        except CheckpointError as err:
+            older = self._older_good(path, fingerprint)
+            hint = f" (an older checkpoint is at {older}; remove the bad file to resume from it)" if older else ""
+            raise CheckpointError(f"{err}{hint}") from err
+
+    def _older_good(self, bad: Path, fingerprint: str | None) -> Path | None:
+        """Newest checkpoint older than ``bad`` that passes every check of :meth:`load`.
+
+        Fully loading candidates is slow for big models, but this only runs on the error path, and a hint that
+        points to another broken file would be worse than none.
+        """
+        match = _NAME.fullmatch(bad.name)
+        if match is None:
+            return None
+        for candidate in reversed([p for p in self.paths() if _round_of(p) < int(match.group(1))]):
+            with contextlib.suppress(CheckpointError):
+                _read(candidate, fingerprint)
+                return candidate
+        return None
+
+
+def _round_of(path: Path) -> int:
+    return int(_NAME.fullmatch(path.name).group(1))
+
+
+def _read(path: Path, fingerprint: str | None) -> PeerState:
+    """Load ``path`` and check format, field types, theta against its digest and theta/momentum shapes."""
+    try:
+        payload = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as exc:  # truncated zip, garbage, missing file, permissions: all "cannot read"
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__  # torch errors span several lines
+        raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from exc
+    version = payload.get("format") if isinstance(payload, dict) else None
+    if version != FORMAT:
+        raise CheckpointError(f"checkpoint {path} has unknown format {version!r} (expected {FORMAT})")
+    types = {"round": int, "fingerprint": str, "global_digest": str, "theta": list, "momentum": list,
+             "model": dict, "inner_optimizer": dict, "data": dict, "rng": dict, "extra": dict}
+    for key, kind in types.items():
+        if not isinstance(payload.get(key), kind) or (kind is int and isinstance(payload[key], bool)):
+            raise CheckpointError(f"checkpoint {path} is corrupt: field {key!r} is missing or not a {kind.__name__}")
+    theta, momentum = payload["theta"], payload["momentum"]
+    if not all(isinstance(t, torch.Tensor) for t in theta + momentum):
+        raise CheckpointError(f"checkpoint {path} is corrupt: theta/momentum hold non-tensors")
+    if digest(theta) != payload["global_digest"]:
+        raise CheckpointError(f"checkpoint {path} is corrupt: theta does not match its recorded digest")
+    if len(theta) != len(momentum) or any(t.shape != m.shape for t, m in zip(theta, momentum)):
+        raise CheckpointError(f"checkpoint {path} is corrupt: momentum does not match theta in count or shapes")
+    if fingerprint is not None and payload["fingerprint"] != fingerprint:
+        raise CheckpointError(f"checkpoint {path} belongs to another config "
+                              f"(fingerprint {payload['fingerprint'][:16]}, this run {fingerprint[:16]})")
+    return PeerState(**{f.name: payload[f.name] for f in fields(PeerState)})

@@ -1,0 +1,124 @@
+"""Recovery half of the round protocol: taking the swarm's state (joining, falling behind, repairing a corrupt
+theta) and deciding that a peer is really alone. A mixin of :class:`p2p_diloco.peer.Peer`, kept apart so that
+each file stays readable; it uses the peer's ``cfg``, ``swarm``, ``metrics``, ``stop``, ``outer``/``theta``,
+``round``/``digest`` (under ``_state_lock``) and ``_boundary()``.
+
+Every download goes to a peer holding the *majority* digest of the round it is taken from, is re-verified on
+arrival (:func:`p2p_diloco.consensus.check_donated_state`), and moves on to the next donor on any failure, so a
+dead, frozen, buggy or lying donor costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from . import consensus
+from . import outer as outer_mod
+from .errors import RoundFailed
+
+log = logging.getLogger("p2p_diloco.peer")
+
+
+class Recovery:
+    """State download, catch-up, desync repair and the lone-peer check (see the module docstring)."""
+
+    def _confirm_alone(self, r: int) -> bool:
+        """Before a solo step, make sure the others are really gone and not just missing from one DHT read.
+
+        A peer that averaged with others last round waits a full record lifetime: a solo step taken while they
+        are alive would fork theta (their records reappear, or they were only between two heartbeats).
+        """
+        if self._last_group_size <= 1:
+            return True
+        wait_until = time.monotonic() + self.cfg.swarm.peer_ttl + self.cfg.swarm.heartbeat_period
+        self.metrics.status(f"round {r + 1}: the other peers are gone; confirming before a solo step")
+        while time.monotonic() < wait_until:
+            if self.stop.wait(self.cfg.swarm.heartbeat_period):
+                return False
+            peers = self._live_peers()
+            if consensus.synced(peers, r) or consensus.swarm_round(peers) > r:
+                return False
+        self._last_group_size = 1
+        return True
+
+    def _state_for_donation(self) -> tuple[dict, list[torch.Tensor]]:
+        with self._state_lock:
+            meta = {"round": self.round, "digest": self.digest, "fp": self.cfg.fingerprint(),
+                    "peer_id": getattr(self.swarm, "peer_id", "")}
+            return meta, [t.clone() for t in self.outer.state_tensors()]
+
+    def _join_swarm(self) -> None:
+        """Take the swarm's state, then start at a round boundary: a newcomer that starts a round that is well
+        under way would make every other peer of that round wait for its inner steps."""
+        self.catch_up()
+        deadline = time.monotonic() + self.cfg.swarm.round_timeout
+        while not self.stop.is_set() and not self._finished() and time.monotonic() < deadline:
+            peers = self._live_peers()
+            if consensus.swarm_round(peers) > self.round:
+                self.catch_up()
+            elif not consensus.round_well_under_way(peers, self.round, self.cfg.train.inner_steps):
+                break
+            self.metrics.status(f"joined; waiting for the swarm to finish round {self.round + 1}")
+            self.stop.wait(min(0.5, self.cfg.swarm.heartbeat_period))  # the next boundary is a short window
+        self._boundary()
+
+    def catch_up(self) -> None:
+        """If a live peer is past our round, download the majority's (round, theta, momentum) of the highest
+        round. The caller announces the new round (:meth:`_boundary`)."""
+        for _ in range(3):
+            peers = self._live_peers()
+            target = consensus.swarm_round(peers)
+            if target <= self.round or self.stop.is_set():
+                return
+            self.metrics.status(f"downloading state of round {target} from the swarm")
+            digest, donors = consensus.pick_donors(peers, target)
+            if self._load_state(target, digest, donors):
+                return
+        log.warning("could not download the swarm's state; continuing from round %d", self.round)
+
+    def _repair(self, r: int, good: str, peers: dict[str, dict]) -> None:
+        """Our theta(r) differs from the majority's: replace it, and sit out the rest of round r."""
+        log.error("round %d: our global weights (%s) differ from the majority (%s); repairing", r + 1,
+                  self.digest[:12], good[:12])
+        self.metrics.event("desync_detected", r + 1, ours=self.digest, majority=good)
+        self.swarm.publish(phase="repair")  # nobody waits for us or downloads from us meanwhile
+        donors = sorted(pid for pid, p in consensus.synced(peers, r).items() if p.get("digest") == good)
+        if not self._load_state(r, good, donors, exact_round=True):
+            return  # retried at the next check; we stay out of the groups until then
+        self.swarm.publish(phase="repair", digest=self.digest)
+        deadline = time.monotonic() + self.cfg.swarm.round_timeout
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            peers = self._live_peers()
+            if consensus.swarm_round(peers) > r:
+                self.catch_up()
+                return
+            if not consensus.synced(peers, r):
+                return
+            self.stop.wait(self.cfg.swarm.heartbeat_period)
+
+    def _load_state(self, target: int, digest: str | None, donors: list[str], exact_round: bool = False) -> bool:
+        """Download from the first donor whose state checks out; True once loaded (``state_loaded`` event)."""
+        for donor in donors:
+            self.metrics.event("state_download_start", target, from_peer=donor)
+            try:
+                meta, tensors = self.swarm.download_state(donor)
+            except RoundFailed as e:
+                log.warning("%s; trying the next donor", e)
+                self.metrics.event("state_download_failed", target, from_peer=donor, reason=str(e))
+                continue
+            problem = consensus.check_donated_state(meta, tensors, self.theta, self.cfg.fingerprint(), target, digest,
+                                                    exact_round)
+            if problem:
+                log.warning("rejected state from %s: %s", donor, problem)
+                self.metrics.event("state_download_failed", target, from_peer=donor, reason=problem)
+                continue
+            with self._state_lock:
+                self.outer.load_state_tensors(tensors)
+                self.round, self.digest = int(meta["round"]), meta["digest"]
+            outer_mod.load_into(self.params, self.theta)
+            self.metrics.event("state_loaded", self.round, from_peer=donor, digest=self.digest)
+            return True
+        return False

@@ -1,0 +1,89 @@
+"""Checkpoints through the real CLI: exact resume, taking the swarm's state when it is ahead, bad checkpoints."""
+
+import signal
+import time
+
+import pytest
+
+from tests.conftest import survivors
+from tests.swarm.helpers import FAULT, Proc, events_of, load_json, start_peers, wait_for_event
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
+
+
+def _lone(tmp_path, tag, name, *args):
+    return Proc(["join", "--run-id", f"t-ckpt-{name}", "--data-seed", "7", "--max-rounds", "4",
+                 "--log-dir", str(tmp_path / name), "--summary-json", str(tmp_path / f"{name}.json"), *FAULT, *args],
+                tag)
+
+
+def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, reap):
+    """A lone peer run for 4 rounds == the same peer stopped (SIGTERM) after round 2 and resumed to round 4."""
+    straight = _lone(tmp_path, reap, "straight")
+    ckpt = tmp_path / "ckpt"
+    first = _lone(tmp_path, reap, "first", "--checkpoint-dir", str(ckpt))
+    first.wait_joined()
+    wait_for_event(tmp_path / "first" / first.peer_id / "events.jsonl",
+                   lambda e: e["event"] == "checkpoint_saved" and e["round"] == 2, 240, first)
+    first.signal(signal.SIGTERM)
+    assert first.wait(60) == 0, first.stderr_tail()
+    stopped = load_json(tmp_path / "first.json")
+    assert stopped["stopped_early"] and stopped["rounds_completed"] in (2, 3)
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names[-1] in ("round-00000002.pt", "round-00000003.pt") and not any(n.startswith(".tmp") for n in names)
+    resumed = _lone(tmp_path, reap, "resumed", "--checkpoint-dir", str(ckpt), "--resume")
+    assert resumed.wait(240) == 0, resumed.stderr_tail()
+    assert straight.wait(240) == 0, straight.stderr_tail()
+    a, b = load_json(tmp_path / "straight.json"), load_json(tmp_path / "resumed.json")
+    assert a["rounds_completed"] == b["rounds_completed"] == 4
+    assert a["global_digest"] == b["global_digest"], "resume did not continue exactly"
+    assert a["tokens_trained"] == b["tokens_trained"]
+    ev = events_of(tmp_path / "resumed", resumed)
+    assert [e["round"] for e in ev if e["event"] == "resumed"] == [stopped["rounds_completed"]]
+    assert len(list(ckpt.glob("round-*.pt"))) == 3  # keep = 3
+    assert not survivors(reap)
+
+
+def test_restarted_peer_takes_the_swarm_state_when_the_swarm_is_ahead(tmp_path, reap):
+    ckpt = tmp_path / "ckpt-b"
+    rounds = 20  # alone, `a` runs a round in ~1 s: leave it rounds to play while b restarts
+    a, b = start_peers(2, tmp_path, reap, "t-ahead", rounds=rounds, extra={1: ["--checkpoint-dir", str(ckpt)]})
+    wait_for_event(tmp_path / b.peer_id / "events.jsonl",
+                   lambda e: e["event"] == "checkpoint_saved" and e["round"] == 1, 240, b)
+    b.kill_group()  # a crash: only the round-boundary checkpoint survives
+    wait_for_event(tmp_path / a.peer_id / "events.jsonl",
+                   lambda e: e["event"] == "outer_step" and e["round"] == 3, 240, a)
+    b2 = Proc(["join", "--initial-peers", *a.wait_joined(), "--run-id", "t-ahead", "--max-rounds", str(rounds),
+               "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "b2.json"), "--checkpoint-dir", str(ckpt),
+               "--resume", *FAULT], reap)
+    assert b2.wait(240) == 0, b2.stderr_tail()
+    assert a.wait(120) == 0, a.stderr_tail()
+    ev = events_of(tmp_path, b2)
+    resumed = [e for e in ev if e["event"] == "resumed"]
+    loaded = [e for e in ev if e["event"] == "state_loaded"]
+    assert resumed and resumed[0]["round"] == 1
+    assert loaded and loaded[0]["round"] >= 3 and loaded[0]["from_peer"] == a.peer_id
+    assert load_json(tmp_path / "b2.json")["global_digest"] == load_json(tmp_path / "p0.json")["global_digest"]
+    assert not survivors(reap)
+
+
+def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_the_good_one_stays(tmp_path, reap):
+    ckpt = tmp_path / "ckpt"
+    peer = Proc(["join", "--run-id", "t-ckpt-bad", "--max-rounds", "2", "--checkpoint-dir", str(ckpt), *FAULT], reap)
+    assert peer.wait(240) == 0, peer.stderr_tail()
+    files = sorted(ckpt.glob("round-*.pt"))
+    good, latest = files[-2], files[-1]
+    good_bytes = good.read_bytes()
+    latest.write_bytes(latest.read_bytes()[: len(latest.read_bytes()) // 2])  # torn write / disk corruption
+    for extra in ([], ["--set", "model.num_layers=3"]):
+        t0 = time.monotonic()
+        bad = Proc(["join", "--run-id", "t-ckpt-bad", "--max-rounds", "4", "--checkpoint-dir", str(ckpt),
+                    "--resume", *FAULT, *extra], reap)
+        assert bad.wait(60) == 2
+        assert time.monotonic() - t0 < 60
+        err = bad.stderr_tail().strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in err[0], err
+        assert str(latest.name) in err[0] or "config" in err[0], err
+        latest.unlink() if extra == [] else None  # second pass: the good checkpoint, but another config
+    assert good.read_bytes() == good_bytes, "a failed resume touched the good checkpoint"
+    assert not survivors(reap)

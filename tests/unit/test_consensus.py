@@ -1,0 +1,78 @@
+"""The decisions every peer takes alone from the live records: they must agree without a coordinator."""
+
+import random
+
+import pytest
+
+from p2p_diloco import consensus
+
+pytestmark = pytest.mark.unit
+
+
+def rec(round_, digest, phase="train", inner_step=0):
+    return {"round": round_, "digest": digest, "phase": phase, "inner_step": inner_step}
+
+
+def test_majority_digest_counts_and_breaks_ties_the_same_way_everywhere():
+    assert consensus.majority_digest(["b", "a", "b"]) == "b"
+    assert consensus.majority_digest(["b", "a"]) == "a"  # tie: the smallest wins, whatever the order
+    assert consensus.majority_digest(["a", "b"]) == "a"
+    assert consensus.majority_digest([]) is None
+    assert consensus.majority_digest(["", ""]) is None
+
+
+def test_needs_repair_only_for_the_minority_of_our_round():
+    peers = {"p1": rec(3, "good"), "p2": rec(3, "good"), "p3": rec(2, "old"), "p4": rec(3, "bad", "join")}
+    assert consensus.needs_repair(peers, 3, "bad") == "good"
+    assert consensus.needs_repair(peers, 3, "good") is None
+    # peers of other rounds and peers still joining do not vote
+    assert consensus.needs_repair({"p3": rec(2, "old"), "p4": rec(3, "x", "join")}, 3, "mine") is None
+    # two peers that disagree: exactly one of them repairs
+    two = [consensus.needs_repair({"q": rec(1, other)}, 1, mine) for mine, other in (("aa", "bb"), ("bb", "aa"))]
+    assert two == [None, "aa"]
+
+
+def test_pick_donors_takes_the_majority_of_the_highest_round_only():
+    peers = {"a": rec(5, "x"), "b": rec(5, "x"), "c": rec(5, "y"), "d": rec(4, "z"), "e": rec(6, "w", "repair")}
+    assert consensus.swarm_round(peers) == 5  # "repair" records do not count
+    digest, donors = consensus.pick_donors(peers, 5, random.Random(0))
+    assert digest == "x" and sorted(donors) == ["a", "b"]
+    assert consensus.pick_donors({}, 5) == (None, [])
+    assert consensus.swarm_round({}) == -1
+
+
+def test_round_well_under_way():
+    H = 100
+    one = lambda step, phase="train": {"a": rec(2, "x", phase, inner_step=step)}  # noqa: E731
+    assert not consensus.round_well_under_way(one(49), 2, H)  # N=1: worth joining up to H/2 late
+    assert consensus.round_well_under_way(one(51), 2, H)
+    three = {k: rec(2, "x", inner_step=s) for k, s in (("a", 10), ("b", 24), ("c", 3))}
+    assert not consensus.round_well_under_way(three, 2, H)  # N=3: up to H/4
+    three["b"]["inner_step"] = 26
+    assert consensus.round_well_under_way(three, 2, H)
+    assert consensus.round_well_under_way(one(0, "sync"), 2, H)  # someone already syncing: too late
+    assert not consensus.round_well_under_way({"a": rec(1, "x", "sync")}, 2, H)  # other rounds do not matter
+    assert not consensus.round_well_under_way(one(H, "done"), 2, H)  # a finished swarm: nothing to wait for
+
+
+def test_check_donated_state_refuses_everything_but_what_we_asked_for():
+    import torch
+
+    from p2p_diloco.outer import digest
+
+    theta = [torch.zeros(3), torch.zeros(2, 2)]
+    good = [torch.ones(3), torch.ones(2, 2)]
+    state = [*good, torch.zeros(3), torch.zeros(2, 2)]
+    meta = {"fp": "fp1", "round": 4, "digest": digest(good)}
+    check = consensus.check_donated_state
+    assert check(meta, state, theta, "fp1", 4, meta["digest"]) is None
+    assert check(meta, state, theta, "fp1", 3, None) is None  # a donor already further along is fine...
+    assert "round" in check(meta, state, theta, "fp1", 3, None, exact_round=True)  # ...except for a repair
+    assert "round" in check(meta, state, theta, "fp1", 5, None)
+    assert "fingerprint" in check(meta, state, theta, "other", 4, None)
+    assert "majority" in check(meta, state, theta, "fp1", 4, "someone-else")
+    assert "count" in check(meta, state[:3], theta, "fp1", 4, None)
+    assert "shapes" in check(meta, [torch.ones(4), *state[1:]], theta, "fp1", 4, None)
+    flipped = [t.clone() for t in state]
+    flipped[0][0] = 2.0
+    assert "digest" in check(meta, flipped, theta, "fp1", 4, None)
