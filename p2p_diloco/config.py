@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 
+from .codecs import CODECS
 from .errors import UsageError
 
 
@@ -97,7 +98,7 @@ class OuterConfig:
     lr: float = 0.7
     momentum: float = 0.9
     nesterov: bool = True
-    compression: str = "none"  # "none" | "fp16"
+    compression: str = "none"  # wire codec of pseudo-gradients: none | fp16 | bf16 | int8 | int4 (see codecs.py)
 
 
 @dataclass
@@ -291,8 +292,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
     if cfg.outer.lr <= 0 or cfg.train.lr <= 0:
         raise ConfigError("outer.lr and train.lr must be > 0")
-    if cfg.outer.compression not in ("none", "fp16"):
-        raise ConfigError(f"outer.compression must be 'none' or 'fp16', got {cfg.outer.compression!r}")
+    if cfg.outer.compression not in CODECS:
+        raise ConfigError(f"outer.compression must be one of {', '.join(CODECS)}, got {cfg.outer.compression!r}")
     if cfg.train.autocast not in ("auto", "bf16", "off"):
         raise ConfigError(f"train.autocast must be auto, bf16 or off, got {cfg.train.autocast!r}")
     if cfg.train.device not in ("cpu", "cuda", "auto"):

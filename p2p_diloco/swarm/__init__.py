@@ -25,12 +25,12 @@ from typing import Any, Callable, Sequence
 
 import hivemind
 import torch
-from hivemind.compression import Float16Compression, NoCompression
 from hivemind.utils import get_dht_time
 
 from ..config import Config
 from ..errors import ConfigMismatch, RoundFailed, SwarmError
 from .averager import ExactAverager
+from .compression import compression_for
 from ..processes import reap_children
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class Swarm:
         self._heartbeat.start()
 
     def _start_averager(self) -> None:
-        compression = Float16Compression() if self.cfg.outer.compression == "fp16" else NoCompression()
+        compression = compression_for(self.cfg.outer.compression)
         self.averager = ExactAverager(
             self._buffers, self.dht, start=False, prefix=f"{self.run_id}_{self.fingerprint}",
             target_group_size=2, min_group_size=2, min_matchmaking_time=self.sc.matchmaking_time,

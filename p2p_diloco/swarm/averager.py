@@ -26,7 +26,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
@@ -76,9 +76,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         """True iff every sender contributed to this part (no sender was banned before submitting it)."""
         return part_index < min(self.tensor_part_reducer.sender_failed_after, default=float("inf"))
 
+    def _encode(self, tensor: torch.Tensor):
+        """Always our own codec object, never hivemind's table lookup by the sender's enum: every peer runs the
+        same ``outer.compression`` (it is part of the config fingerprint)."""
+        return self.compression.compress(tensor, CompressionInfo.from_tensor(tensor))
+
     def _round_trip(self, tensor: torch.Tensor) -> torch.Tensor:
-        """What a remote peer would receive for ``tensor``: identity without compression."""
-        return deserialize_torch_tensor(serialize_torch_tensor(tensor, self.compression.compression_type))
+        """Exactly what a remote peer receives for ``tensor`` (the codec's quantize -> dequantize round trip)."""
+        return deserialize_torch_tensor(self._encode(tensor))
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
@@ -100,8 +105,8 @@ class ExactAllReduceRunner(AllReduceRunner):
         part_index = 0
         loop = asyncio.get_event_loop()
         try:
-            async for part, weight, compression in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, msg.tensor_part.compression),
+            async for part, weight in amap_in_executor(
+                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
@@ -113,7 +118,7 @@ class ExactAllReduceRunner(AllReduceRunner):
                     yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
                     break
                 part_index += 1
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
+                serialized = await loop.run_in_executor(None, self._encode, averaged)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

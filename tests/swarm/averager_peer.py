@@ -1,6 +1,7 @@
 """One ExactAverager peer for test_averager.py, run as its own subprocess (process group).
 
 Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K] [--attempts A]
+                       [--codec none|fp16|bf16|int8|int4]
 Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
 """
 
@@ -46,18 +47,21 @@ def main() -> None:
     p.add_argument("--initial", nargs="*", default=None)
     p.add_argument("--die-after-parts", type=int, default=None)
     p.add_argument("--attempts", type=int, default=1)
+    p.add_argument("--codec", default="none")
     args = p.parse_args()
     import hivemind
 
     from p2p_diloco.outer import digest
     from p2p_diloco.swarm.averager import ExactAverager
+    from p2p_diloco.swarm.compression import compression_for
 
     if args.die_after_parts is not None:
         die_mid_allreduce(args.die_after_parts)
     dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
     av = ExactAverager(make_tensors(args.index), dht, start=True, prefix="avgtest", min_matchmaking_time=5.0,
-                       request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16)
+                       request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16,
+                       compression=compression_for(args.codec))
     t0 = time.monotonic()
     errors = []
     for _ in range(args.attempts):
