@@ -126,6 +126,8 @@ class SwarmConfig:
     round_timeout: float = 600.0  # give up waiting for stragglers of one round after this long
     state_timeout: float = 60.0  # downloading state from a donor
     part_size_bytes: int = 2**20
+    transport: str = "tcp"  # all-reduce bytes: "tcp" = direct sockets (fast, unencrypted), "p2p" = libp2p streams
+    data_port: int = 0  # TCP port of the direct data plane (0 = any free port)
 
 
 @dataclass
@@ -144,6 +146,7 @@ class DebugConfig:
 
     corrupt_theta_at_round: int = 0  # after the outer step of this round, perturb theta (desync-repair test)
     part_delay: float = 0.0  # seconds slept before sending each all-reduce part (to aim signals mid-transfer)
+    state_delay: float = 0.0  # seconds slept before sending each chunk of a state download (to kill a donor mid-way)
 
 
 @dataclass
@@ -306,7 +309,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("swarm.request_timeout must be smaller than swarm.matchmaking_time")
     if cfg.swarm.peer_ttl <= cfg.swarm.heartbeat_period:
         raise ConfigError("swarm.peer_ttl must be larger than swarm.heartbeat_period")
+    if cfg.swarm.transport not in ("tcp", "p2p"):
+        raise ConfigError(f"swarm.transport must be tcp or p2p, got {cfg.swarm.transport!r}")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
-    if cfg.debug.part_delay < 0 or cfg.debug.corrupt_theta_at_round < 0:
-        raise ConfigError("debug.part_delay and debug.corrupt_theta_at_round must be >= 0")
+    if min(cfg.debug.part_delay, cfg.debug.state_delay, cfg.debug.corrupt_theta_at_round) < 0:
+        raise ConfigError("debug.part_delay, debug.state_delay and debug.corrupt_theta_at_round must be >= 0")

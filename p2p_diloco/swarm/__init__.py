@@ -31,6 +31,8 @@ from ..config import Config
 from ..errors import ConfigMismatch, RoundFailed, SwarmError
 from .averager import ExactAverager
 from .compression import compression_for
+from .fastpath import listen_socket
+from ..codecs import get_codec
 from ..processes import reap_children
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,14 @@ def _one_line(e: BaseException) -> str:
     """A short single-line reason from hivemind's (often multi-line, timestamped) exception texts."""
     text = " ".join(str(e).split()) or type(e).__name__
     return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text)[:300]
+
+
+def _ip4_of(maddrs: Sequence[str]) -> str | None:
+    for m in maddrs:
+        parts = str(m).split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+    return None
 
 
 def _round_bits(round_: int) -> str:
@@ -79,6 +89,8 @@ class Swarm:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.dht: hivemind.DHT | None = None
+        self.data_address: str | None = None
+        self._p2p_only_round = -1
         self.averager: ExactAverager | None = None
 
     # ----------------------------------------------------------------------------------------------- lifecycle
@@ -121,7 +133,23 @@ class Swarm:
         )
         self.averager.state_provider = self._state_provider
         self.averager.part_delay = self.cfg.debug.part_delay  # copied into the averager process when it forks
+        self.averager.state_delay = self.cfg.debug.state_delay
+        self.averager.codec = get_codec(self.cfg.outer.compression)
+        self.data_address = None
+        if self.sc.transport == "tcp":
+            self.averager.data_socket, self.data_address = self._open_data_plane()
         self.averager.run_in_background(await_ready=True, timeout=self.sc.startup_timeout)
+
+    def _open_data_plane(self):
+        """Listen for direct-TCP all-reduce traffic (see fastpath.py) on the host of our first /ip4 listen address;
+        advertise the announced host if one is given (behind NAT / port forwarding), else the listen host."""
+        bind = _ip4_of(self.sc.host_maddrs) or "127.0.0.1"
+        sock = listen_socket(bind, self.sc.data_port)
+        host = _ip4_of(self.sc.announce_maddrs) or (bind if bind != "0.0.0.0" else _ip4_of(self.visible_maddrs()))
+        if not host or host == "0.0.0.0":
+            sock.close()
+            raise SwarmError("swarm.transport = 'tcp' needs a reachable address: give --announce-maddrs")
+        return sock, f"{host}:{sock.getsockname()[1]}"
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -142,6 +170,8 @@ class Swarm:
                     part.shutdown()
             except Exception as e:
                 log.debug("shutdown of %s failed: %r", type(part).__name__, e)
+        if self.averager is not None and self.averager.data_socket is not None:
+            self.averager.data_socket.close()  # our copy; the averager process had its own
         reap_children(timeout=5.0)
 
     # ------------------------------------------------------------------------------------------------- records
@@ -228,6 +258,8 @@ class Swarm:
                 buf.copy_(t)
         look = 2 * self.sc.matchmaking_time
         t0 = time.monotonic()
+        if self.data_address and self._p2p_only_round != round_:
+            gather = dict(gather, data=self.data_address)
         control = self.averager.step(gather=gather, weight=float(weight), timeout=look, allow_retries=False,
                                      wait=False)
         try:
@@ -237,6 +269,11 @@ class Swarm:
                 control.cancel()
             if isinstance(e, KeyboardInterrupt):
                 raise
+            if "cannot connect to member" in str(e) and self._p2p_only_round != round_:
+                # A member's data port is unreachable (NAT, firewall): the rest of this round goes through libp2p.
+                # One member without a data address is enough for the whole group to choose libp2p.
+                log.warning("direct TCP all-reduce failed (%s); using libp2p streams for this round", _one_line(e))
+                self._p2p_only_round = round_
             raise RoundFailed(_one_line(e)) from None
         if not result:
             raise RoundFailed("could not find a group")

@@ -34,6 +34,8 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 
+from .fastpath import DataServer, FastAllReduce
+
 logger = get_logger(__name__)
 STREAM_OPEN_TIMEOUT = 10.0
 
@@ -177,8 +179,12 @@ class ExactAverager(DecentralizedAverager):
     """
 
     _last_stats: dict
+    data_socket = None  # listening socket of the direct-TCP data plane (fastpath.py), created by the host; or None
+    codec = None  # the run's Codec, used by the data plane
+    _data_server = None
     state_provider = None  # host-side callable returning (metadata, tensors); set before the averager starts
     part_delay = 0.0  # seconds slept before sending each part: a fault-test hook (debug.part_delay), never in runs
+    state_delay = 0.0  # the same for each chunk of a state download (debug.state_delay)
 
     def get_current_state(self):
         """Host process, background thread: what a joining peer downloads from us."""
@@ -190,8 +196,50 @@ class ExactAverager(DecentralizedAverager):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return {"gathered": gathered, "group_size": group_info.group_size, **self._last_stats}
 
+    def _data_addresses(self, group_info: GroupInfo) -> list[str] | None:
+        """Every member's data-plane address (from the data it gathered), or None if any member has none."""
+        addresses = []
+        for raw in group_info.gathered:
+            user = self.serializer.loads(self.serializer.loads(raw)[2])
+            address = user.get("data") if isinstance(user, dict) else None
+            if not isinstance(address, str):
+                return None
+            addresses.append(address)
+        return addresses
+
+    async def _fast_allreduce(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, addresses: list[str],
+                              weight: float, peer_fractions: Sequence[float]) -> None:
+        if self._data_server is None:  # started on first use; earlier connections wait in the listen backlog
+            self._data_server = DataServer(self.data_socket, register_timeout=self._allreduce_timeout or 60.0)
+            await self._data_server.start()
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        cuts = torch.tensor([0.0, *peer_fractions]).cumsum(0) / max(sum(peer_fractions), 1e-9) * flat.numel()
+        bounds = [int(round(float(c))) for c in cuts]
+        bounds[-1] = flat.numel()
+        runner = FastAllReduce(group_info.group_id, group_info.peer_ids.index(self.peer_id), addresses, flat,
+                               bounds, weight, self.codec, chunk_timeout=self.next_chunk_timeout or 10.0)
+        runner.part_delay = self.part_delay
+        self._data_server.register(runner)
+        try:
+            out = await runner.run(connect_timeout=self.request_timeout * 3,
+                                   wait_timeout=self._allreduce_timeout or 60.0)
+        finally:
+            self._data_server.unregister(runner)
+        offset = 0
+        for t in tensors:
+            t.copy_(out[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        self._last_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received,
+                            "transport": "tcp"}
+
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id=None, **kwargs):
+        addresses = self._data_addresses(group_info) if self.data_socket is not None else None
+        if addresses is not None:  # the same decision on every member: it depends only on the gathered data
+            assert group_info.group_id in self._running_groups, "group must be registered"
+            self._running_groups[group_info.group_id].set_result(None)
+            return await self._fast_allreduce(tensors, group_info, addresses, kwargs["weight"],
+                                              kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
         runner = ExactAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
@@ -231,8 +279,8 @@ class ExactAverager(DecentralizedAverager):
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:
         async for message in super().rpc_download_state(request, context):
-            if self.part_delay:  # fault tests only: stretch the transfer so a donor can be killed in the middle
-                await asyncio.sleep(self.part_delay)
+            if self.state_delay:  # fault tests only: stretch the transfer so a donor can be killed in the middle
+                await asyncio.sleep(self.state_delay)
             yield message
 
     async def _download_state(self, peer: str, timeout: float, future: MPFuture) -> None:

@@ -38,6 +38,16 @@ def die_mid_allreduce(after_parts: int) -> None:
 
     ExactAllReduceRunner._generate_input_for_peer = dying
 
+    from p2p_diloco.swarm.fastpath import FastAllReduce
+
+    original_serve = FastAllReduce.serve
+
+    async def dying_serve(self, reader, writer, sender, weight):  # data plane: die once a sender's part arrives
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+        await original_serve(self, reader, writer, sender, weight)
+
+    FastAllReduce.serve = dying_serve
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -48,6 +58,7 @@ def main() -> None:
     p.add_argument("--die-after-parts", type=int, default=None)
     p.add_argument("--attempts", type=int, default=1)
     p.add_argument("--codec", default="none")
+    p.add_argument("--transport", choices=["p2p", "tcp"], default="p2p")
     args = p.parse_args()
     import hivemind
 
@@ -59,9 +70,17 @@ def main() -> None:
         die_mid_allreduce(args.die_after_parts)
     dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
-    av = ExactAverager(make_tensors(args.index), dht, start=True, prefix="avgtest", min_matchmaking_time=5.0,
+    av = ExactAverager(make_tensors(args.index), dht, start=False, prefix="avgtest", min_matchmaking_time=5.0,
                        request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16,
                        compression=compression_for(args.codec))
+    gather = {}
+    if args.transport == "tcp":  # what Swarm does: a listening socket before the fork, its address in the gather
+        from p2p_diloco.codecs import get_codec
+        from p2p_diloco.swarm.fastpath import listen_socket
+
+        av.codec, av.data_socket = get_codec(args.codec), listen_socket("127.0.0.1")
+        gather = {"data": f"127.0.0.1:{av.data_socket.getsockname()[1]}"}
+    av.run_in_background(await_ready=True, timeout=30)
     t0 = time.monotonic()
     errors = []
     for _ in range(args.attempts):
@@ -74,7 +93,7 @@ def main() -> None:
                 t.copy_(mine)
         av.set_round_params("0110", args.group_size, timeout=10)
         try:
-            result = av.step(weight=float(args.index + 1), timeout=15, allow_retries=False)
+            result = av.step(weight=float(args.index + 1), timeout=15, allow_retries=False, gather=gather)
             break
         except Exception as e:
             errors.append(repr(e)[:300])

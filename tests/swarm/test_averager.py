@@ -21,8 +21,9 @@ SCRIPT = Path(__file__).with_name("averager_peer.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none"):
-    cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out), "--attempts", str(attempts), "--codec", codec]
+def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", transport="p2p"):
+    cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out), "--attempts", str(attempts), "--codec", codec,
+           "--transport", transport]
     if initial:
         cmd += ["--initial", *initial]
     if die is not None:
@@ -32,14 +33,14 @@ def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none"):
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
 
 
-def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none"):
-    procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec)]
+def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p"):
+    procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec, transport=transport)]
     try:
         line = procs[0].stdout.readline()
         assert line.startswith("MADDRS"), line
         initial = line.split()[1:]
-        procs += [_spawn(i, n, tmp_path / f"p{i}", initial, 3 if i == victim else None, tag, attempts, codec)
-                  for i in range(1, n)]
+        procs += [_spawn(i, n, tmp_path / f"p{i}", initial, 3 if i == victim else None, tag, attempts, codec,
+                         transport) for i in range(1, n)]
         deadline = time.monotonic() + timeout
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -69,10 +70,11 @@ def _tail(path, lines=40):
 TOLERANCE = {"none": 1e-6, "fp16": 1e-3, "bf16": 8e-3, "int8": 2e-2, "int4": 0.25}
 
 
+@pytest.mark.parametrize("transport", ["p2p", "tcp"])
 @pytest.mark.parametrize("codec", CODECS)
-def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap, codec):
+def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap, codec, transport):
     n = 3
-    results = _run(tmp_path, n, reap, attempts=3, codec=codec)
+    results = _run(tmp_path, n, reap, attempts=3, codec=codec, transport=transport)
     assert all(r["ok"] for r in results.values()), results
     assert len({r["digest"] for r in results.values()}) == 1, "peers ended with different bits"
     weights = [float(i + 1) for i in range(n)]
@@ -92,8 +94,9 @@ def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap, codec):
             assert abs(measured - expected_bytes) < 0.1 * expected_bytes, (measured, expected_bytes)
 
 
-def test_peer_death_mid_allreduce_applies_nothing(tmp_path, reap):
-    results = _run(tmp_path, 3, reap, victim=2)
+@pytest.mark.parametrize("transport", ["p2p", "tcp"])
+def test_peer_death_mid_allreduce_applies_nothing(tmp_path, reap, transport):
+    results = _run(tmp_path, 3, reap, victim=2, transport=transport)
     assert len(results) == 2
     assert not any(r["ok"] for r in results.values()), results
     # The survivors give up as soon as a part is lost (2-6 s measured, matchmaking included), not by waiting out

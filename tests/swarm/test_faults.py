@@ -129,10 +129,11 @@ def test_corrupted_theta_is_repaired_within_one_round(tmp_path, reap):
 
 
 def test_joiner_moves_to_another_donor_when_one_dies_mid_transfer(tmp_path, reap):
-    slow = ["--set", "debug.part_delay=0.1"]  # donors stream their state slowly
-    a, b = start_peers(2, tmp_path, reap, "t-donor", rounds=4, extra={0: slow, 1: slow})
+    slow = ["--set", "debug.state_delay=0.1"]  # donors stream their state slowly
+    rounds = 20  # two peers run a round in ~2 s here: leave rounds to play while the joiner starts
+    a, b = start_peers(2, tmp_path, reap, "t-donor", rounds=rounds, extra={0: slow, 1: slow})
     wait_for_event(tmp_path / a.peer_id / "events.jsonl", lambda e: e["event"] == "outer_step", 240, a)
-    c = Proc(["join", "--initial-peers", *a.wait_joined(), "--run-id", "t-donor", "--max-rounds", "4",
+    c = Proc(["join", "--initial-peers", *a.wait_joined(), "--run-id", "t-donor", "--max-rounds", str(rounds),
               "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "p2.json"), *FAULT], reap)
     c.wait_joined()
     start = wait_for_event(tmp_path / c.peer_id / "events.jsonl",
@@ -167,4 +168,27 @@ def test_sigterm_mid_allreduce_stops_cleanly_and_others_carry_on(tmp_path, reap)
     assert len({s["global_digest"] for s in sums.values()}) == 1
     assert all(s["rounds_completed"] == 3 for s in sums.values())
     _no_solo_steps(tmp_path, procs[:2])
+    assert not survivors(reap)
+
+
+def test_joiner_arriving_mid_allreduce_starts_at_the_next_boundary(tmp_path, reap):
+    """A newcomer that arrives while the swarm is in its all-reduce must not join the round in flight (it would
+    hold the others back): it waits, takes theta(1) from the swarm, and averages with everyone from round 2."""
+    slow = ["--set", "debug.part_delay=0.3"]  # round 1's all-reduce lasts ~15 s
+    a, b = start_peers(2, tmp_path, reap, "t-midjoin", rounds=3, extra={0: slow, 1: slow})
+    wait_for_event(tmp_path / a.peer_id / "events.jsonl",
+                   lambda e: e["event"] == "allreduce_running" and e["round"] == 1, 240, a)
+    c = Proc(["join", "--initial-peers", *a.wait_joined(), "--run-id", "t-midjoin", "--max-rounds", "3",
+              "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "p2.json"), *FAULT], reap)
+    c.wait_joined()
+    assert not any(e["event"] == "outer_step" for e in events_of(tmp_path, a)), "joined too late to test anything"
+    _finish([a, b, c])
+    events = events_of(tmp_path, c)
+    loaded = [e for e in events if e["event"] == "state_loaded"]
+    assert loaded and loaded[0]["round"] == 1, loaded
+    assert not any(e["event"] == "round_start" and e["round"] == 1 for e in events), "joined the round in flight"
+    for p in (a, b, c):
+        done = {e["round"]: e["group_size"] for e in events_of(tmp_path, p) if e["event"] == "allreduce_done"}
+        assert done.get(2) == 3 and done.get(3) == 3, (p.peer_id, done)
+    assert len({s["global_digest"] for s in _summaries(tmp_path, range(3)).values()}) == 1
     assert not survivors(reap)

@@ -1,0 +1,92 @@
+"""The direct-TCP data plane in one process: N members on 127.0.0.1 sockets, no hivemind. Identical bits on every
+member with every codec, and all-or-nothing when a member vanishes or an outsider connects."""
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from p2p_diloco.codecs import CODECS, get_codec
+from p2p_diloco.swarm.fastpath import MAGIC, DataServer, FastAllReduce, FastPathError, listen_socket
+
+pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
+
+
+def _vectors(n, numel=50_000):
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+async def _members(n, codec, vectors, weights, group_id, chunk_timeout=2.0):
+    socks = [listen_socket("127.0.0.1") for _ in range(n)]
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
+    servers = [DataServer(s, register_timeout=5.0) for s in socks]
+    for server in servers:
+        await server.start()
+    numel = vectors[0].numel()
+    bounds = [numel * i // n for i in range(n + 1)]
+    runners = [FastAllReduce(group_id, i, addresses, vectors[i], bounds, weights[i], codec, chunk_timeout)
+               for i in range(n)]
+    for server, runner in zip(servers, runners):
+        server.register(runner)
+    return servers, runners
+
+
+async def _close(servers):
+    for server in servers:
+        server.server.close()
+        await server.server.wait_closed()
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_member_gets_the_same_bits(codec):
+    async def main():
+        n, weights = 4, [1.0, 2.0, 3.0, 4.0]
+        vectors = _vectors(n)
+        servers, runners = await _members(n, get_codec(codec), vectors, weights, os.urandom(20))
+        outs = await asyncio.wait_for(asyncio.gather(*(r.run(2.0, 10.0) for r in runners)), 30)
+        await _close(servers)
+        return vectors, weights, runners, outs
+
+    vectors, weights, runners, outs = asyncio.run(main())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    exact = sum(w * v for w, v in zip(weights, vectors)) / sum(weights)
+    tolerance = {"none": 1e-6, "fp16": 1e-3, "bf16": 8e-3, "int8": 2e-2, "int4": 0.25}[codec]
+    assert ((outs[0] - exact).norm() / exact.norm()).item() < tolerance
+    payload = get_codec(codec).payload_bytes(vectors[0].numel())
+    for r in runners:  # 2(N-1)/N of the encoded payload each way, plus 8-9 bytes of framing per message
+        assert abs(r.bytes_sent - 2 * 3 / 4 * payload) < 0.02 * payload + 100
+
+
+def test_a_member_that_vanishes_fails_everyone_fast():
+    async def main():
+        n = 3
+        servers, runners = await _members(n, get_codec("none"), _vectors(n), [1.0] * n, os.urandom(20))
+        servers[2].server.close()  # member 2 is gone before the transfer: nobody may finish
+        runs = [asyncio.ensure_future(r.run(1.0, 5.0)) for r in runners[:2]]
+        results = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 20)
+        await _close(servers[:2])
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, (FastPathError, asyncio.TimeoutError, OSError)) for r in results), results
+
+
+def test_outsiders_cannot_feed_a_group():
+    async def main():
+        n = 2
+        group_id = os.urandom(20)
+        servers, runners = await _members(n, get_codec("none"), _vectors(n), [1.0] * n, group_id)
+        host, port = runners[0].addresses[0].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(MAGIC + os.urandom(16) + b"\x00" * 12)  # a key nobody registered
+        await writer.drain()
+        closed = await asyncio.wait_for(reader.read(), 10)  # the server hangs up without answering
+        writer.close()
+        outs = await asyncio.wait_for(asyncio.gather(*(r.run(2.0, 10.0) for r in runners)), 30)
+        await _close(servers)
+        return closed, outs
+
+    closed, outs = asyncio.run(main())
+    assert closed == b""
+    assert torch.equal(outs[0], outs[1])
