@@ -248,8 +248,22 @@ class ExactAverager(DecentralizedAverager):
         runner.part_delay = self.part_delay
         assert group_id in self._running_groups, "group must be registered by _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
-        async for tensor, averaged in azip(as_aiter(*tensors), runner):
-            tensor.copy_(averaged)
+
+        async def copy_outputs():
+            async for tensor, averaged in azip(as_aiter(*tensors), runner):
+                tensor.copy_(averaged)
+
+        # Race the output iteration against the runner's own future: after _abort, hivemind's
+        # iterate_output_tensors can wait forever for a part that will never come (seen: a 57 s hang until
+        # allreduce_timeout), so the failure must be taken from the future, not from the iterator.
+        copying = asyncio.ensure_future(copy_outputs())
+        try:
+            await asyncio.wait({copying, runner._future}, return_when=asyncio.FIRST_COMPLETED)
+            if runner._future.done() and runner._future.exception() is not None:
+                raise runner._future.exception()
+            await copying
+        finally:
+            copying.cancel()
         container = runner.tensor_part_container
         if container.failed_size:
             raise AllreduceException(

@@ -26,6 +26,7 @@ import asyncio
 import hashlib
 import socket
 import struct
+import time
 from typing import Sequence
 
 import torch
@@ -56,7 +57,7 @@ def group_key(group_id: bytes) -> bytes:
     return hashlib.sha256(b"p2p-diloco data plane" + group_id).digest()[:16]
 
 
-async def _read_exact(reader: asyncio.StreamReader, n: int, timeout: float) -> bytearray:
+async def _read_exact(reader: asyncio.StreamReader, n: int, timeout: float, touch=lambda: None) -> bytearray:
     """``n`` bytes, with at most ``timeout`` seconds between two arrivals: a frozen or dead peer is detected in
     seconds, while a slow but live link can take as long as it needs (the all-reduce timeout bounds the total)."""
     out = bytearray()
@@ -65,14 +66,15 @@ async def _read_exact(reader: asyncio.StreamReader, n: int, timeout: float) -> b
         if not piece:
             raise asyncio.IncompleteReadError(bytes(out), n)
         out += piece
+        touch()
     return out
 
 
-async def _read_frame(reader: asyncio.StreamReader, limit: int, timeout: float) -> bytearray:
-    (n,) = _LEN.unpack(await _read_exact(reader, _LEN.size, timeout))
+async def _read_frame(reader: asyncio.StreamReader, limit: int, timeout: float, touch=lambda: None) -> bytearray:
+    (n,) = _LEN.unpack(await _read_exact(reader, _LEN.size, timeout, touch))
     if n > limit:
         raise FastPathError(f"frame of {n} bytes exceeds the expected {limit}")
-    return await _read_exact(reader, n, timeout)
+    return await _read_exact(reader, n, timeout, touch)
 
 
 class FastAllReduce:
@@ -100,6 +102,7 @@ class FastAllReduce:
         self.total_weight = weight
         self.contributed: set[int] = {index}
         self.averaged: asyncio.Future = asyncio.get_event_loop().create_future()
+        self.last_activity = time.monotonic()
         self.bytes_sent = self.bytes_received = 0
 
     def _slice(self, i: int) -> torch.Tensor:
@@ -112,12 +115,13 @@ class FastAllReduce:
         if sender in self.contributed or not 0 <= sender < self.n:
             raise FastPathError(f"duplicate or invalid sender {sender}")
         numel = self.bounds[self.index + 1] - self.bounds[self.index]
-        data = await _read_frame(reader, self.codec.payload_bytes(numel), self.chunk_timeout)
+        data = await _read_frame(reader, self.codec.payload_bytes(numel), self.chunk_timeout, self._touch)
         self.bytes_received += len(data) + _LEN.size
         part = self.codec.decode(torch.frombuffer(data, dtype=torch.uint8), numel)
         self.accumulator.add_(part, alpha=weight)
         self.total_weight += weight
         self.contributed.add(sender)
+        self._touch()
         if len(self.contributed) == self.n and not self.averaged.done():
             self.averaged.set_result(self.codec.encode(self.accumulator / self.total_weight).numpy().tobytes())
         encoded = await asyncio.shield(self.averaged)
@@ -156,8 +160,25 @@ class FastAllReduce:
         finally:
             writer.close()
 
+    def _touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    async def _wait_for_senders(self) -> bytes:
+        """Our slice's average, once every sender's part is in. A sender that never connects (it died between
+        matchmaking and its first byte) is noticed after ``chunk_timeout`` without progress from anyone."""
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.shield(self.averaged), self.chunk_timeout)
+            except asyncio.TimeoutError:
+                if time.monotonic() - self.last_activity > self.chunk_timeout:
+                    missing = sorted(set(range(self.n)) - self.contributed)
+                    raise FastPathError(f"no part from members {missing} for {self.chunk_timeout:.0f} s") from None
+
     async def _own_slice(self) -> None:
-        encoded = await self.averaged if self.n > 1 else self.codec.encode(self.accumulator).numpy().tobytes()
+        if self.n > 1:
+            encoded = await self._wait_for_senders()
+        else:
+            encoded = self.codec.encode(self.accumulator).numpy().tobytes()
         numel = self.bounds[self.index + 1] - self.bounds[self.index]
         own = self.codec.decode(torch.frombuffer(bytearray(encoded), dtype=torch.uint8), numel)
         self.output[self.bounds[self.index]:self.bounds[self.index + 1]] = own

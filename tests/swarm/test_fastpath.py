@@ -90,3 +90,20 @@ def test_outsiders_cannot_feed_a_group():
     closed, outs = asyncio.run(main())
     assert closed == b""
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_member_that_never_sends_is_noticed_after_the_chunk_timeout():
+    async def main():
+        n = 3
+        servers, runners = await _members(n, get_codec("none"), _vectors(n), [1.0] * n, os.urandom(20),
+                                           chunk_timeout=1.0)
+        loop = asyncio.get_event_loop()
+        t0 = loop.time()
+        results = await asyncio.gather(*(r.run(1.0, 30.0) for r in runners[:2]), return_exceptions=True)
+        elapsed = loop.time() - t0
+        await _close(servers)
+        return results, elapsed
+
+    results, elapsed = asyncio.run(main())  # member 2 joined the group but died before sending anything
+    assert all(isinstance(r, FastPathError) and "no part from members [2]" in str(r) for r in results), results
+    assert elapsed < 10  # not the 30 s all-reduce bound
