@@ -91,6 +91,7 @@ class Swarm:
         self.dht: hivemind.DHT | None = None
         self.data_address: str | None = None
         self._p2p_only_round = -1
+        self._seen: dict[str, tuple[dict, float]] = {}  # live records read so far, with their DHT expiration
         self.averager: ExactAverager | None = None
 
     # ----------------------------------------------------------------------------------------------- lifecycle
@@ -210,15 +211,28 @@ class Swarm:
             except Exception as e:  # a missed heartbeat only makes us look dead for a while
                 log.warning("heartbeat failed: %r", e)
 
-    def _read_dict(self, key: str) -> dict[str, Any]:
+    def _read_dict(self, key: str, with_expiration: bool = False) -> dict[str, Any]:
         found = self._dht_call("get", key, latest=True)
         if found is None or not isinstance(found.value, dict):
             return {}
-        return {str(sub): item.value for sub, item in found.value.items() if isinstance(item.value, dict)}
+        return {str(sub): (item.value, item.expiration_time) if with_expiration else item.value
+                for sub, item in found.value.items() if isinstance(item.value, dict)}
 
     def live_peers(self) -> dict[str, dict[str, Any]]:
-        """Every other live peer of this run and config: ``{peer_id: record}``."""
-        records = self._read_dict(f"{self.run_id}.live")
+        """Every other live peer of this run and config: ``{peer_id: record}``.
+
+        A DHT read can miss some records (seen when a frozen peer's DHT node held part of the key: two survivors
+        saw each other but not the third, and averaged as a pair). So records are merged with the ones read
+        before, each kept until its own expiration; a newer version of a record always replaces an older one.
+        """
+        now = get_dht_time()
+        for pid, (record, expiration) in self._read_dict(f"{self.run_id}.live", with_expiration=True).items():
+            known = self._seen.get(pid)
+            # versions of one peer's record are ordered by its own publish time ("left" has a short expiration)
+            if known is None or record.get("t", 0) >= known[0].get("t", 0):
+                self._seen[pid] = (record, expiration)
+        self._seen = {pid: item for pid, item in self._seen.items() if item[1] > now}
+        records = {pid: record for pid, (record, _) in self._seen.items()}
         return {
             pid: rec for pid, rec in records.items()
             if pid != self.peer_id and rec.get("fp") == self.fingerprint and rec.get("phase") != "left"

@@ -70,8 +70,11 @@ def test_peer_lost_mid_allreduce(tmp_path, reap, sig):
         failed = [e for e in events if e["event"] == "allreduce_failed" and e["round"] == 2 and e["t"] > t_signal]
         assert failed, f"{p.peer_id}: the signal did not break an all-reduce in flight"
         assert failed[0]["t"] - t_signal < ALLREDUCE_TIMEOUT + 5, "survivor hung past the all-reduce timeout"
+        # Round 2 is redone among the survivors: an all-reduce of at least 2 of them (never a solo step); a
+        # survivor that was left out of it takes the result from them.
         redo = [e for e in events if e["event"] == "allreduce_done" and e["round"] == 2]
-        assert redo and redo[-1]["group_size"] == 3, redo
+        took = [e for e in events if e["event"] == "state_loaded" and e["round"] >= 2 and e["t"] > t_signal]
+        assert (redo and 2 <= redo[-1]["group_size"] <= 3) or took, (redo, took)
     _no_solo_steps(tmp_path, rest)
     _assert_consistent(tmp_path, finished)
     assert not survivors(reap)

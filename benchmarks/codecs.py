@@ -1,0 +1,96 @@
+"""Wire codecs: reconstruction error on a real pseudo-gradient, and the effect on eval loss of a short swarm run.
+
+Method:
+1. Reconstruction: build the default tiny model, run one round of H inner steps alone (the default config, data
+   seed 0), take the pseudo-gradient theta - local, and encode -> decode it with every codec. Printed: relative L2
+   error ||decoded - delta|| / ||delta||, max abs error, and bytes per value. No network.
+2. Eval loss: for every codec, ``p2p-diloco swarm --peers 3 --max-rounds R`` on 127.0.0.1 with
+   ``--set outer.compression=<codec>`` (everything else default), and the eval loss after the last round and
+   whether all digests agreed, from ``--summary-json``. One run per codec: differences of a few 0.01 are within
+   run-to-run noise (data orders come from the peers' random ids).
+
+Usage: ``python benchmarks/codecs.py [--rounds 3] [--skip-swarm]``. Takes ~1 min per codec on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from p2p_diloco import outer
+from p2p_diloco.codecs import CODECS, get_codec
+from p2p_diloco.config import Config
+from p2p_diloco.data import PackedStream
+from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.model import build_model
+from p2p_diloco.tokenizer import build_tokenizer, vocab_size
+
+
+def real_pseudo_gradient(cfg: Config) -> torch.Tensor:
+    """theta - local after one round of inner steps of the default config, flattened."""
+    torch.manual_seed(0)
+    tok = build_tokenizer(cfg.tokenizer)
+    model = build_model(cfg.model, vocab_size(tok), cfg.run.seed)
+    params = list(model.parameters())
+    theta = outer.snapshot(params)
+    data = PackedStream(tok, cfg.data, seed=0)
+    trainer = InnerTrainer(model, cfg.train, data.next_batch, 0, torch.device("cpu"))
+    for step in range(cfg.train.inner_steps):
+        trainer.step(step)
+    data.close()
+    delta = [torch.empty_like(t) for t in theta]
+    outer.pseudo_gradient(theta, params, delta)
+    return torch.cat([d.reshape(-1) for d in delta])
+
+
+def reconstruction_table() -> None:
+    delta = real_pseudo_gradient(Config())
+    print(f"pseudo-gradient: {delta.numel():,} values, norm {delta.norm():.4f}, max |v| {delta.abs().max():.2e}")
+    print(f"{'codec':<6} {'bytes/value':>11} {'rel L2 error':>13} {'max abs error':>14}")
+    for name in CODECS:
+        codec = get_codec(name)
+        decoded = codec.round_trip(delta)
+        rel = ((decoded - delta).norm() / delta.norm()).item()
+        print(f"{name:<6} {codec.payload_bytes(delta.numel()) / delta.numel():>11.3f} {rel:>13.2e} "
+              f"{(decoded - delta).abs().max().item():>14.2e}")
+
+
+def swarm_table(rounds: int) -> None:
+    print(f"\n3-peer swarm, {rounds} rounds per codec (default config otherwise)")
+    print(f"{'codec':<6} {'eval first':>10} {'eval last':>10} {'MB sent/peer':>13} {'digests agree':>14}")
+    with tempfile.TemporaryDirectory(prefix="p2p-diloco-codecs-") as tmp:
+        for name in CODECS:
+            summary = Path(tmp) / f"{name}.json"
+            cmd = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", "3", "--max-rounds", str(rounds),
+                   "--run-id", f"codec-{name}", "--set", f"outer.compression={name}", "--summary-json",
+                   str(summary), "--log-dir", str(Path(tmp) / name)]
+            rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900).returncode
+            if rc != 0 or not summary.exists():
+                print(f"{name:<6} FAILED (exit {rc})")
+                continue
+            result = json.loads(summary.read_text())
+            peers = result["peers"]
+            first = sum(p["eval_loss_first"] for p in peers) / len(peers)
+            last = sum(p["eval_loss_last"] for p in peers) / len(peers)
+            sent = sum(p["bytes_sent"] for p in peers) / len(peers) / 1e6
+            print(f"{name:<6} {first:>10.4f} {last:>10.4f} {sent:>13.2f} {str(result['all_digests_equal']):>14}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--skip-swarm", action="store_true", help="only the reconstruction table")
+    args = ap.parse_args()
+    reconstruction_table()
+    if not args.skip_swarm:
+        swarm_table(args.rounds)
+
+
+if __name__ == "__main__":
+    main()
