@@ -147,6 +147,8 @@ class DebugConfig:
     corrupt_theta_at_round: int = 0  # after the outer step of this round, perturb theta (desync-repair test)
     part_delay: float = 0.0  # seconds slept before sending each all-reduce part (to aim signals mid-transfer)
     state_delay: float = 0.0  # seconds slept before sending each chunk of a state download (to kill a donor mid-way)
+    sync_delay: float = 0.0  # seconds slept before the first all-reduce attempt of round ``sync_delay_round``
+    sync_delay_round: int = 0  # (holds the others back so that a test can kill a peer waiting in matchmaking)
 
 
 @dataclass
@@ -313,5 +315,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"swarm.transport must be tcp or p2p, got {cfg.swarm.transport!r}")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
-    if min(cfg.debug.part_delay, cfg.debug.state_delay, cfg.debug.corrupt_theta_at_round) < 0:
-        raise ConfigError("debug.part_delay, debug.state_delay and debug.corrupt_theta_at_round must be >= 0")
+    d = cfg.debug
+    if min(d.part_delay, d.state_delay, d.corrupt_theta_at_round, d.sync_delay, d.sync_delay_round) < 0:
+        raise ConfigError("debug.part_delay, debug.state_delay, debug.sync_delay, debug.sync_delay_round and "
+                          "debug.corrupt_theta_at_round must be >= 0")

@@ -221,6 +221,8 @@ class Peer(Recovery):
         self.swarm.publish(phase="sync")
         self.metrics.event("allreduce_start", r + 1, expected_group_size=group_size, attempt=attempt)
         self.metrics.status(f"round {r + 1} all-reduce: matchmaking with {group_size} peers (attempt {attempt})")
+        if attempt == 1 and self.cfg.debug.sync_delay_round == r + 1:
+            self.stop.wait(self.cfg.debug.sync_delay)  # fault tests only (debug.sync_delay)
         gather = {"round": r, "digest": self.digest, "tokens": tokens}
         try:
             result = self.swarm.all_reduce(

@@ -157,6 +157,9 @@ class FastAllReduce:
             self.bytes_received += len(data) + _LEN.size + 1
             decoded = self.codec.decode(torch.frombuffer(data, dtype=torch.uint8), numel)
             self.output[self.bounds[j]:self.bounds[j + 1]] = decoded
+        except (asyncio.IncompleteReadError, ConnectionError) as e:
+            # The reducer hung up: it aborted its slice (another member failed it) or it died.
+            raise FastPathError(f"reducer {j} dropped our connection: {type(e).__name__}") from None
         finally:
             writer.close()
 

@@ -105,5 +105,8 @@ def test_a_member_that_never_sends_is_noticed_after_the_chunk_timeout():
         return results, elapsed
 
     results, elapsed = asyncio.run(main())  # member 2 joined the group but died before sending anything
-    assert all(isinstance(r, FastPathError) and "no part from members [2]" in str(r) for r in results), results
-    assert elapsed < 10  # not the 30 s all-reduce bound
+    # Both live members fail; whichever notices first names member 2, and its abort makes the other one fail too
+    # (as "no part from members [2]" or as its reducer hanging up on it), never by waiting out the 30 s bound.
+    assert all(isinstance(r, FastPathError) for r in results), results
+    assert any("no part from members [2]" in str(r) for r in results), results
+    assert elapsed < 10

@@ -84,11 +84,17 @@ def test_deaths_in_matchmaking_and_training_then_lone_peer_then_rejoin(tmp_path,
     """Kill one peer in matchmaking (round 1) and one in inner training (round 2): the last peer keeps training
     alone, and a new peer that joins later averages with it."""
     rounds = 20  # a lone peer runs a round in ~1 s here: enough rounds left for the newcomer to start and join
-    procs = start_peers(3, tmp_path, reap, "t-shrink", rounds=rounds)
+    # a and c hold back 8 s before their first all-reduce of round 1, so no group can form before b is killed:
+    # b dies waiting in matchmaking while its record still announces it as a member of round 1.
+    hold = ["--set", "debug.sync_delay=8", "--set", "debug.sync_delay_round=1"]
+    procs = start_peers(3, tmp_path, reap, "t-shrink", rounds=rounds, extra={0: hold, 2: hold})
     a, b, c = procs
     wait_for_event(tmp_path / b.peer_id / "events.jsonl",
                    lambda e: e["event"] == "allreduce_start" and e["round"] == 1, 240, b)
     b.kill_group()
+    for p in (a, c):  # the kill landed before either of the others could have formed a group with b
+        starts = [e["t"] for e in events_of(tmp_path, p) if e["event"] == "allreduce_start" and e["round"] == 1]
+        assert not starts or starts[0] + 8 > time.time(), "b was killed too late to die in matchmaking"
     wait_for_event(tmp_path / c.peer_id / "events.jsonl",
                    lambda e: e["event"] == "inner_progress" and e["round"] == 2, 240, c)
     c.kill_group()
