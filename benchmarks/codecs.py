@@ -6,8 +6,8 @@ Method:
    error ||decoded - delta|| / ||delta||, max abs error, and bytes per value. No network.
 2. Eval loss: for every codec, ``p2p-diloco swarm --peers 3 --max-rounds R`` on 127.0.0.1 with
    ``--set outer.compression=<codec>`` (everything else default), and the eval loss after the last round and
-   whether all digests agreed, from ``--summary-json``. One run per codec: differences of a few 0.01 are within
-   run-to-run noise (data orders come from the peers' random ids).
+   whether all digests agreed, from ``--summary-json``. Then ``none`` and ``int8`` again with ``outer.overlap``
+   (the outer step one round late). Every run reads the same data (``--data-seed 1``: peer i reads order 1+i).
 
 Usage: ``python benchmarks/codecs.py [--rounds 3] [--skip-swarm]``. Takes ~1 min per codec on 2 cores.
 """
@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -61,25 +62,35 @@ def reconstruction_table() -> None:
               f"{(decoded - delta).abs().max().item():>14.2e}")
 
 
+def _swarm_run(tmp: Path, codec: str, overlap: bool, rounds: int) -> str:
+    """One ``p2p-diloco swarm --peers 3`` run; the table row (or FAILED)."""
+    name = f"{codec}{'+overlap' if overlap else ''}"
+    summary = tmp / f"{name}.json"
+    cmd = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", "3", "--max-rounds", str(rounds),
+           "--run-id", f"codec-{codec}-{int(overlap)}", "--data-seed", "1", "--set", f"outer.compression={codec}",
+           "--set", f"outer.overlap={str(overlap).lower()}", "--summary-json", str(summary),
+           "--log-dir", str(tmp / name)]
+    t0 = time.monotonic()
+    rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900).returncode
+    wall = time.monotonic() - t0
+    if rc != 0 or not summary.exists():
+        return f"{name:<13} FAILED (exit {rc})"
+    result = json.loads(summary.read_text())
+    peers = result["peers"]
+    first = sum(p["eval_loss_first"] for p in peers) / len(peers)
+    last = sum(p["eval_loss_last"] for p in peers) / len(peers)
+    sent = sum(p["bytes_sent"] for p in peers) / len(peers) / 1e6
+    return (f"{name:<13} {first:>10.4f} {last:>10.4f} {sent:>13.2f} {wall:>7.0f} "
+            f"{str(result['all_digests_equal']):>14}")
+
+
 def swarm_table(rounds: int) -> None:
-    print(f"\n3-peer swarm, {rounds} rounds per codec (default config otherwise)")
-    print(f"{'codec':<6} {'eval first':>10} {'eval last':>10} {'MB sent/peer':>13} {'digests agree':>14}")
+    print(f"\n3-peer swarm, {rounds} rounds per run, data seeds 1-3 (default config otherwise)")
+    print(f"{'run':<13} {'eval first':>10} {'eval last':>10} {'MB sent/peer':>13} {'wall s':>7} {'digests agree':>14}")
+    runs = [(codec, False) for codec in CODECS] + [("none", True), ("int8", True)]
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-codecs-") as tmp:
-        for name in CODECS:
-            summary = Path(tmp) / f"{name}.json"
-            cmd = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", "3", "--max-rounds", str(rounds),
-                   "--run-id", f"codec-{name}", "--set", f"outer.compression={name}", "--summary-json",
-                   str(summary), "--log-dir", str(Path(tmp) / name)]
-            rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900).returncode
-            if rc != 0 or not summary.exists():
-                print(f"{name:<6} FAILED (exit {rc})")
-                continue
-            result = json.loads(summary.read_text())
-            peers = result["peers"]
-            first = sum(p["eval_loss_first"] for p in peers) / len(peers)
-            last = sum(p["eval_loss_last"] for p in peers) / len(peers)
-            sent = sum(p["bytes_sent"] for p in peers) / len(peers) / 1e6
-            print(f"{name:<6} {first:>10.4f} {last:>10.4f} {sent:>13.2f} {str(result['all_digests_equal']):>14}")
+        for codec, overlap in runs:
+            print(_swarm_run(Path(tmp), codec, overlap, rounds), flush=True)
 
 
 def main() -> None:

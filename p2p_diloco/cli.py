@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(join)
     swarm = sub.add_parser("swarm", help="run N peers on 127.0.0.1, each a separate join process")
     swarm.add_argument("--peers", type=int, required=True, help="number of peers")
+    swarm.add_argument("--data-seed", type=int, help="peer i reads data order S+i (default: from each peer id)")
     _add_config_args(swarm)
     return parser
 

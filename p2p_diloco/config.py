@@ -99,6 +99,7 @@ class OuterConfig:
     momentum: float = 0.9
     nesterov: bool = True
     compression: str = "none"  # wire codec of pseudo-gradients: none | fp16 | bf16 | int8 | int4 (see codecs.py)
+    overlap: bool = False  # average round r in the background while training round r+1 (outer step one round late)
 
 
 @dataclass

@@ -62,20 +62,25 @@ def needs_repair(peers: dict[str, dict[str, Any]], round_: int, ours: str) -> st
     return best if best != ours else None
 
 
-def round_well_under_way(peers: dict[str, dict[str, Any]], round_: int, inner_steps: int) -> bool:
+def round_well_under_way(peers: dict[str, dict[str, Any]], round_: int, inner_steps: int,
+                         overlap: bool = False) -> bool:
     """True if round ``round_`` is too far along for a newcomer to join it.
 
     Peers of a round wait for every live peer of that round, so a newcomer that starts ``d`` inner steps late
     idles the N others for ``d`` steps each, and adds H steps of its own: worth it while ``N * d < H``. The
     newcomer joins if the most advanced peer of the round is within ``H / (N + 1)`` steps of the start (slightly
     conservative, since it also needs a moment to download), and not if any peer is already syncing.
+
+    With ``overlap`` the peers of round r are syncing it in the background while they train the next round, and
+    their ``inner_step`` is that training's progress: a newcomer who trains from theta(r) now arrives in round r's
+    all-reduce that many steps after them, so only the ``inner_step`` rule applies.
     """
     at = synced(peers, round_)
     if not at:
         return False
-    if any(p.get("phase") == "sync" for p in at.values()):
+    if not overlap and any(p.get("phase") == "sync" for p in at.values()):
         return True
-    training = [p.get("inner_step", 0) for p in at.values() if p.get("phase") == "train"]
+    training = [p.get("inner_step", 0) for p in at.values() if overlap or p.get("phase") == "train"]
     return max(training, default=0) > inner_steps / (len(at) + 1)
 
 

@@ -66,6 +66,8 @@ def _join_command(args: argparse.Namespace, index: int, log_dir: Path, initial: 
     for flag in ("run_id", "max_rounds", "inner_steps"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    if getattr(args, "data_seed", None) is not None:  # reproducible runs, still a different order per peer
+        cmd += ["--data-seed", str(args.data_seed + index)]
     if initial:
         cmd += ["--initial-peers", *initial]
     return cmd

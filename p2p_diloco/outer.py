@@ -78,6 +78,20 @@ class OuterOptimizer:
                 update = d
             t.sub_(update * self.lr)
 
+    @torch.no_grad()
+    def lookahead(self, delta: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+        """``out`` = the theta that :meth:`step` would give if the average pseudo-gradient were ``delta``, with
+        theta and momentum left untouched. With ``outer.overlap`` a peer starts its next round from here, its own
+        pseudo-gradient standing in for the average that is still being computed (the "eager" update of Kale et
+        al. 2025, https://arxiv.org/abs/2502.12996)."""
+        for t, d, buf, o in zip(self.theta, delta, self.momentum_buffers, out, strict=True):
+            if self.momentum:
+                b = buf * self.momentum + d
+                update = d + b * self.momentum if self.nesterov else b
+            else:
+                update = d
+            o.copy_(t - update * self.lr)
+
     def state_tensors(self) -> list[torch.Tensor]:
         """theta followed by the momentum buffers: the outer state a joining peer downloads."""
         return self.theta + self.momentum_buffers

@@ -42,6 +42,7 @@ from .errors import RoundFailed
 from .inner import InnerTrainer, evaluate, resolve_device
 from .metrics import Metrics
 from .model import build_model, count_parameters
+from .overlap import OverlappedRounds
 from .recovery import Recovery
 from .tokenizer import build_tokenizer, vocab_size
 
@@ -55,7 +56,7 @@ def data_seed_for(peer_id: str) -> int:
     return int(hashlib.sha256(peer_id.encode()).hexdigest()[:8], 16)
 
 
-class Peer(Recovery):
+class Peer(Recovery, OverlappedRounds):
     """A DiLoCo peer: inner training, outer step, the round protocol, fault recovery and checkpoints.
 
     Args:
@@ -107,6 +108,8 @@ class Peer(Recovery):
             self._build_trainer()
             self._wait_for_peers()
             self._join_swarm()
+            if self.cfg.outer.overlap:
+                self.run_overlapped()
             while not self.stop.is_set() and not self._finished():
                 self.run_round()
             if self._finished():
@@ -152,20 +155,27 @@ class Peer(Recovery):
             return
         delta = [torch.empty_like(t) for t in self.theta]
         outer_mod.pseudo_gradient(self.theta, self.params, delta)
-        if self._sync(r, delta, tokens):
-            with self._state_lock:
-                self.outer.step(delta)
-                self.round, self.digest = r + 1, outer_mod.digest(self.theta)
-            self.rounds_participated += 1
-            self.metrics.event("outer_step", self.round, digest=self.digest, inner_steps=steps)
-            self._debug_corrupt()
+        self._sync_and_step(r, delta, tokens, steps)
         self._boundary()
 
-    def _boundary(self) -> None:
+    def _sync_and_step(self, r: int, delta: list[torch.Tensor], tokens: int, steps: int) -> bool:
+        """Average ``delta`` with round ``r``'s peers and apply the outer step -> theta(r + 1). False if we fell
+        behind, repaired or stopped instead (theta is then whatever recovery left; nothing half-applied)."""
+        if not self._sync(r, delta, tokens):
+            return False
+        with self._state_lock:
+            self.outer.step(delta)
+            self.round, self.digest = r + 1, outer_mod.digest(self.theta)
+        self.rounds_participated += 1
+        self.metrics.event("outer_step", self.round, digest=self.digest, inner_steps=steps)
+        self._debug_corrupt()
+        return True
+
+    def _boundary(self, phase: str = "train") -> None:
         """theta(self.round) is set (outer step or download): load it, announce it, checkpoint, evaluate."""
         outer_mod.load_into(self.params, self.theta)
         self._at_boundary = True
-        self.swarm.publish(phase="train", round=self.round, digest=self.digest, inner_step=0)
+        self.swarm.publish(phase=phase, round=self.round, digest=self.digest, inner_step=0)
         self.swarm.set_donor_round(self.round)
         self._save_checkpoint()
         if self.round % self.cfg.eval.every_rounds == 0 or self._finished():

@@ -16,7 +16,6 @@ import time
 import torch
 
 from . import consensus
-from . import outer as outer_mod
 from .errors import RoundFailed
 
 log = logging.getLogger("p2p_diloco.peer")
@@ -59,11 +58,14 @@ class Recovery:
             peers = self._live_peers()
             if consensus.swarm_round(peers) > self.round:
                 self.catch_up()
-            elif not consensus.round_well_under_way(peers, self.round, self.cfg.train.inner_steps):
+            elif not consensus.round_well_under_way(peers, self.round, self.cfg.train.inner_steps,
+                                                    self.cfg.outer.overlap):
                 break
             self.metrics.status(f"joined; waiting for the swarm to finish round {self.round + 1}")
             self.stop.wait(min(0.5, self.cfg.swarm.heartbeat_period))  # the next boundary is a short window
-        self._boundary()
+        # With overlap the round we can still contribute to is decided by OverlappedRounds: nobody may count us as
+        # a member of a round before that.
+        self._boundary(phase="join" if self.cfg.outer.overlap else "train")
 
     def catch_up(self) -> None:
         """If a live peer is past our round, download the majority's (round, theta, momentum) of the highest
@@ -118,7 +120,8 @@ class Recovery:
             with self._state_lock:
                 self.outer.load_state_tensors(tensors)
                 self.round, self.digest = int(meta["round"]), meta["digest"]
-            outer_mod.load_into(self.params, self.theta)
+            # The model gets theta at the next boundary (_boundary): with outer.overlap this runs in the background
+            # while the model is training.
             self.metrics.event("state_loaded", self.round, from_peer=donor, digest=self.digest)
             return True
         return False

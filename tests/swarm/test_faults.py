@@ -182,22 +182,24 @@ def test_sigterm_mid_allreduce_stops_cleanly_and_others_carry_on(tmp_path, reap)
 
 def test_joiner_arriving_mid_allreduce_starts_at_the_next_boundary(tmp_path, reap):
     """A newcomer that arrives while the swarm is in its all-reduce must not join the round in flight (it would
-    hold the others back): it waits, takes theta(1) from the swarm, and averages with everyone from round 2."""
+    hold the others back): it waits, takes the swarm's theta, and averages with everyone from the next round it
+    can start on time (round 2, or round 3 if round 2 was already too far along when its download finished)."""
     slow = ["--set", "debug.part_delay=0.3"]  # round 1's all-reduce lasts ~15 s
-    a, b = start_peers(2, tmp_path, reap, "t-midjoin", rounds=3, extra={0: slow, 1: slow})
+    a, b = start_peers(2, tmp_path, reap, "t-midjoin", rounds=4, extra={0: slow, 1: slow})
     wait_for_event(tmp_path / a.peer_id / "events.jsonl",
                    lambda e: e["event"] == "allreduce_running" and e["round"] == 1, 240, a)
-    c = Proc(["join", "--initial-peers", *a.wait_joined(), "--run-id", "t-midjoin", "--max-rounds", "3",
+    c = Proc(["join", "--initial-peers", *a.wait_joined(), "--run-id", "t-midjoin", "--max-rounds", "4",
               "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "p2.json"), *FAULT], reap)
     c.wait_joined()
     assert not any(e["event"] == "outer_step" for e in events_of(tmp_path, a)), "joined too late to test anything"
     _finish([a, b, c])
     events = events_of(tmp_path, c)
     loaded = [e for e in events if e["event"] == "state_loaded"]
-    assert loaded and loaded[0]["round"] == 1, loaded
-    assert not any(e["event"] == "round_start" and e["round"] == 1 for e in events), "joined the round in flight"
+    assert loaded and loaded[0]["round"] >= 1, loaded
+    first = min(e["round"] for e in events if e["event"] == "round_start")
+    assert first in (2, 3), f"joined the round in flight or far too late (first round {first})"
     for p in (a, b, c):
         done = {e["round"]: e["group_size"] for e in events_of(tmp_path, p) if e["event"] == "allreduce_done"}
-        assert done.get(2) == 3 and done.get(3) == 3, (p.peer_id, done)
+        assert all(done.get(r) == 3 for r in range(first, 5)), (p.peer_id, first, done)
     assert len({s["global_digest"] for s in _summaries(tmp_path, range(3)).values()}) == 1
     assert not survivors(reap)

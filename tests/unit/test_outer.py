@@ -82,3 +82,18 @@ def test_state_round_trip_and_shape_check():
     assert outer.digest(other.state_tensors()) == outer.digest(opt.state_tensors())
     with pytest.raises(ValueError):
         other.load_state_tensors([torch.zeros(2, 2), torch.zeros(2, 2)])
+
+
+@pytest.mark.parametrize("nesterov,momentum", [(True, 0.9), (False, 0.9), (True, 0.0)])
+def test_lookahead_is_the_step_that_would_follow_and_changes_nothing(nesterov, momentum):
+    torch.manual_seed(1)
+    theta = [torch.randn(6), torch.randn(2, 3)]
+    opt = outer.OuterOptimizer(theta, lr=0.7, momentum=momentum, nesterov=nesterov)
+    opt.step([torch.randn(6), torch.randn(2, 3)])  # non-zero momentum buffers
+    before = [t.clone() for t in opt.state_tensors()]
+    delta = [torch.randn(6), torch.randn(2, 3)]
+    out = [torch.empty(6), torch.empty(2, 3)]
+    opt.lookahead(delta, out)
+    assert all(torch.equal(a, b) for a, b in zip(opt.state_tensors(), before)), "lookahead moved the outer state"
+    opt.step(delta)
+    assert all(torch.equal(a, b) for a, b in zip(out, theta)), "lookahead differs from the real step"
