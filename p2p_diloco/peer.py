@@ -106,6 +106,7 @@ class Peer(Recovery, OverlappedRounds):
             if self.on_started:
                 self.on_started(self.swarm)
             self._build_trainer()
+            self.swarm.publish(ready=True)  # data and model are built: we can start a round at once
             self._wait_for_peers()
             self._join_swarm()
             if self.cfg.outer.overlap:
@@ -203,6 +204,7 @@ class Peer(Recovery, OverlappedRounds):
         """Average ``delta`` in place with round ``r``'s peers. False if we fell behind or repaired instead."""
         deadline = time.monotonic() + self.cfg.swarm.round_timeout
         attempt = 0
+        self.swarm.publish(phase="sync")  # our pseudo-gradient for round r is ready
         while not self.stop.is_set():
             peers = self._live_peers()
             if consensus.swarm_round(peers) > r:
@@ -214,6 +216,12 @@ class Peer(Recovery, OverlappedRounds):
                 return False
             ready = ("sync",) if time.monotonic() > deadline else ("train", "sync")
             mates = sorted(pid for pid, p in peers.items() if p.get("round") == r and p.get("phase") in ready)
+            if self.cfg.outer.overlap and any(peers[m].get("phase") != "sync" for m in mates):
+                # Overlapped peers start syncing as soon as their inner steps end, at different moments: matching
+                # now would fix the group size before the slower ones (or a newcomer) are in, and whoever came
+                # first would take their places. We are training meanwhile, so waiting here costs nothing.
+                self.stop.wait(0.2)
+                continue
             if not mates:
                 if not self._confirm_alone(r):
                     continue
@@ -329,14 +337,15 @@ class Peer(Recovery, OverlappedRounds):
                     raise
 
     def _wait_for_peers(self) -> None:
-        """Hold the first round until ``swarm.min_peers`` peers are live, so that they all take part in it."""
+        """Hold the first round until ``swarm.min_peers`` peers are live and ready to train (their data is built:
+        that can take a while), so that they all start it together and all take part in it."""
         want, deadline = self.cfg.swarm.min_peers - 1, time.monotonic() + self.cfg.swarm.min_peers_timeout
         while not self.stop.is_set() and time.monotonic() < deadline:
-            seen = len(self._live_peers())
+            seen = sum(1 for p in self._live_peers().values() if p.get("ready"))
             if seen >= want:
                 return
-            self.metrics.status(f"waiting for peers: {seen + 1}/{want + 1} live")
-            self.stop.wait(self.cfg.swarm.heartbeat_period)
+            self.metrics.status(f"waiting for peers: {seen + 1}/{want + 1} ready")
+            self.stop.wait(min(0.25, self.cfg.swarm.heartbeat_period))  # they all start within a short window
         if not self.stop.is_set():
             log.warning("only %d of %d peers live after %.0fs; starting anyway", len(self._live_peers()) + 1,
                         want + 1, self.cfg.swarm.min_peers_timeout)

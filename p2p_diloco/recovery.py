@@ -58,6 +58,8 @@ class Recovery:
             peers = self._live_peers()
             if consensus.swarm_round(peers) > self.round:
                 self.catch_up()
+            elif self.round == 0 and self.cfg.swarm.min_peers > 1:
+                break  # the first round of a swarm that waited for min_peers: the others expect us in it
             elif not consensus.round_well_under_way(peers, self.round, self.cfg.train.inner_steps,
                                                     self.cfg.outer.overlap):
                 break
