@@ -127,8 +127,9 @@ class FastAllReduce:
         encoded = await asyncio.shield(self.averaged)
         writer.write(b"\x00" + _LEN.pack(len(encoded)))
         writer.write(encoded)
-        await writer.drain()
+        # Counted once handed to the transport: the sender may finish (and our stats be read) before drain returns.
         self.bytes_sent += len(encoded) + _LEN.size + 1
+        await writer.drain()
 
     # ------------------------------------------------------------------------------------------ sender side
     async def _send_to(self, j: int, connect_timeout: float) -> None:
