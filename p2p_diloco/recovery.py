@@ -64,7 +64,7 @@ class Recovery:
                                                     self.cfg.outer.overlap):
                 break
             self.metrics.status(f"joined; waiting for the swarm to finish round {self.round + 1}")
-            self.stop.wait(min(0.5, self.cfg.swarm.heartbeat_period))  # the next boundary is a short window
+            self.stop.wait(min(0.2, self.cfg.swarm.heartbeat_period))  # the next boundary is a short window
         # With overlap the round we can still contribute to is decided by OverlappedRounds: nobody may count us as
         # a member of a round before that.
         self._boundary(phase="join" if self.cfg.outer.overlap else "train")

@@ -52,9 +52,10 @@ def test_peer_lost_mid_allreduce(tmp_path, reap, sig):
     victim.signal_group(sig)
     t_signal = time.time()
     if sig == signal.SIGSTOP:
-        for p in rest:
+        for p in rest:  # each survivor holds theta(2): from the redo, or from a download if left out of it
             wait_for_event(tmp_path / p.peer_id / "events.jsonl",
-                           lambda e: e["event"] == "outer_step" and e["round"] == 2, 120, p)
+                           lambda e: (e["event"] == "outer_step" and e["round"] == 2)
+                           or (e["event"] == "state_loaded" and e["round"] >= 2), 120, p)
         victim.signal_group(signal.SIGCONT)
         _finish(procs)
         finished = procs
@@ -184,12 +185,15 @@ def test_joiner_arriving_mid_allreduce_starts_at_the_next_boundary(tmp_path, rea
     """A newcomer that arrives while the swarm is in its all-reduce must not join the round in flight (it would
     hold the others back): it waits, takes the swarm's theta, and averages with everyone from the next round it
     can start on time (round 2, or round 3 if round 2 was already too far along when its download finished)."""
-    slow = ["--set", "debug.part_delay=0.3"]  # round 1's all-reduce lasts ~15 s
+    # Round 1's all-reduce lasts ~15 s. H = 60: the join window (H/(N+1) = 20 steps, ~1.5 s here) must be longer
+    # than the newcomer's reaction time (record poll, download), or it keeps missing it.
+    slow = ["--set", "debug.part_delay=0.3", "--inner-steps", "60"]
     a, b = start_peers(2, tmp_path, reap, "t-midjoin", rounds=4, extra={0: slow, 1: slow})
     wait_for_event(tmp_path / a.peer_id / "events.jsonl",
                    lambda e: e["event"] == "allreduce_running" and e["round"] == 1, 240, a)
     c = Proc(["join", "--initial-peers", *a.wait_joined(), "--run-id", "t-midjoin", "--max-rounds", "4",
-              "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "p2.json"), *FAULT], reap)
+              "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "p2.json"), *FAULT, "--inner-steps", "60"],
+             reap)
     c.wait_joined()
     assert not any(e["event"] == "outer_step" for e in events_of(tmp_path, a)), "joined too late to test anything"
     _finish([a, b, c])
