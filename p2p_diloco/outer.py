@@ -73,10 +73,13 @@ class OuterOptimizer:
         for t, d, buf in zip(self.theta, delta, self.momentum_buffers, strict=True):
             if self.momentum:
                 buf.mul_(self.momentum).add_(d)
-                update = d + buf * self.momentum if self.nesterov else buf
-            else:
-                update = d
-            t.sub_(update * self.lr)
+            t.sub_(self._update(d, buf) * self.lr)
+
+    def _update(self, d: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        """The step direction, given the pseudo-gradient and the already-updated momentum buffer."""
+        if not self.momentum:
+            return d
+        return d + buf * self.momentum if self.nesterov else buf
 
     @torch.no_grad()
     def lookahead(self, delta: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
@@ -85,12 +88,8 @@ class OuterOptimizer:
         pseudo-gradient standing in for the average that is still being computed (the "eager" update of Kale et
         al. 2025, https://arxiv.org/abs/2502.12996)."""
         for t, d, buf, o in zip(self.theta, delta, self.momentum_buffers, out, strict=True):
-            if self.momentum:
-                b = buf * self.momentum + d
-                update = d + b * self.momentum if self.nesterov else b
-            else:
-                update = d
-            o.copy_(t - update * self.lr)
+            b = buf * self.momentum + d if self.momentum else buf
+            o.copy_(t - self._update(d, b) * self.lr)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """theta followed by the momentum buffers: the outer state a joining peer downloads."""

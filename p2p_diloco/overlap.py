@@ -22,15 +22,14 @@ What stays exactly as in blocking mode: theta only ever changes by an outer step
 whole group (or a confirmed solo step), so it stays bit-identical across peers; the failure rules of
 :meth:`Peer._sync` are the same, run from the background thread. What changes: a peer's local start point lags
 theta by one round, and when a sync ends in a download that leaves us more than one round behind, the round
-trained meanwhile is dropped, since its pseudo-gradient is for a round the swarm has left. A checkpoint is taken at the moment the
-outer step lands, with the model reset to theta: ``--resume`` continues from there, without the round that was
-in flight (not bit-exact, unlike blocking mode).
+trained meanwhile is dropped, since its pseudo-gradient is for a round the swarm has left. A checkpoint is taken
+at the moment the outer step lands, with the model reset to theta: ``--resume`` continues from there, without the
+round that was in flight (not bit-exact, unlike blocking mode).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -112,30 +111,22 @@ class OverlappedRounds:
         return stepped
 
     def _background_catch_up(self, r: int) -> bool:
-        """Sync thread: wait until the swarm holds theta(r+1), then download it and announce that round."""
-        deadline = time.monotonic() + self.cfg.swarm.round_timeout
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            peers = self._live_peers()
-            if consensus.swarm_round(peers) > r:
-                self.catch_up()
-                break
-            if not consensus.synced(peers, r):
-                break  # the others are gone: whatever happens next starts from our theta(r)
-            self.stop.wait(min(0.5, self.cfg.swarm.heartbeat_period))
+        """Sync thread: wait until the swarm holds theta(r+1), then download it and announce that round. (If the
+        others are gone instead, whatever happens next starts from our theta(r).)"""
+        self._wait_for_round_end(r, min(0.5, self.cfg.swarm.heartbeat_period))
         if self.round > r:
             self.swarm.publish(phase="train", round=self.round, digest=self.digest)
             self.swarm.set_donor_round(self.round)
         return False
 
-    def _land(self, pending: Future, stopping: bool = False) -> bool:
+    def _land(self, pending: Future, stopping: bool = False) -> None:
         """Wait for the sync in flight; then theta (stepped, downloaded or unchanged) goes into the model, is
-        announced and checkpointed (Peer._boundary). True if it was our own outer step."""
+        announced and checkpointed (Peer._boundary)."""
         if not pending.done():
             self.metrics.status(f"round {self.round + 1}: waiting for the all-reduce running in the background")
-        stepped = pending.result()
+        pending.result()
         if stopping:
             outer_mod.load_into(self.params, self.theta)
             self._at_boundary = True  # Peer.run saves this point
         else:
             self._boundary()
-        return stepped

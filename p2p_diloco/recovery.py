@@ -93,6 +93,11 @@ class Recovery:
         if not self._load_state(r, good, donors, exact_round=True):
             return  # retried at the next check; we stay out of the groups until then
         self.swarm.publish(phase="repair", digest=self.digest)
+        self._wait_for_round_end(r, self.cfg.swarm.heartbeat_period)
+
+    def _wait_for_round_end(self, r: int, poll: float) -> None:
+        """Sit out round ``r``: once the swarm holds theta(r+1), download it. Returns early if the peers of round
+        ``r`` are gone (nothing will come) or after ``swarm.round_timeout``."""
         deadline = time.monotonic() + self.cfg.swarm.round_timeout
         while not self.stop.is_set() and time.monotonic() < deadline:
             peers = self._live_peers()
@@ -101,7 +106,7 @@ class Recovery:
                 return
             if not consensus.synced(peers, r):
                 return
-            self.stop.wait(self.cfg.swarm.heartbeat_period)
+            self.stop.wait(poll)
 
     def _load_state(self, target: int, digest: str | None, donors: list[str], exact_round: bool = False) -> bool:
         """Download from the first donor whose state checks out; True once loaded (``state_loaded`` event)."""

@@ -75,4 +75,3 @@ def test_overlap_survives_a_joiner_and_a_kill(tmp_path, reap):
         lone = [e for e in events_of(tmp_path, p) if e["event"] == "allreduce_done" and e.get("lone")]
         assert not lone, lone
     assert not survivors(reap)
-
