@@ -198,7 +198,12 @@ class Worker:
     def __post_init__(self):
         import torch
 
+        from p2p_diloco.processes import keep_freed_memory
+
         torch.set_num_threads(1)  # N peers share the machine's cores
+        # The allocator setting a p2p-diloco peer runs with (Swarm.start), applied to the whole worker before any
+        # method runs, so gloo, stock hivemind and ours are timed with the same allocator.
+        keep_freed_memory()
         self.originals = make_tensors(self.rank, self.mb, self.seed)
         if self.verify and self.rank == 0:
             self.reference = expected_mean(self.peers, self.mb, self.seed)

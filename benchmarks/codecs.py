@@ -9,7 +9,12 @@ Method:
    whether all digests agreed, from ``--summary-json``. Then ``none`` and ``int8`` again with ``outer.overlap``
    (the outer step one round late). Every run reads the same data (``--data-seed 1``: peer i reads order 1+i).
 
-Usage: ``python benchmarks/codecs.py [--rounds 3] [--skip-swarm]``. Takes ~1 min per codec on 2 cores.
+3. ``--runs`` picks the swarm runs (default: every codec, then ``none+overlap`` and ``int8+overlap``); with
+   ``--curve`` it also prints every run's eval loss after each round (read from a peer's ``events.jsonl``; all
+   peers hold the same global weights), to see whether a gap between runs opens or closes over a longer run.
+
+Usage: ``python benchmarks/codecs.py [--rounds 3] [--skip-swarm] [--runs none none+overlap] [--curve]``. Takes
+~1 min per codec on 2 cores at 5 rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from p2p_diloco.codecs import CODECS, get_codec
 from p2p_diloco.config import Config
 from p2p_diloco.data import PackedStream
 from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.metrics import read_events
 from p2p_diloco.model import build_model
 from p2p_diloco.tokenizer import build_tokenizer, vocab_size
 
@@ -62,6 +68,13 @@ def reconstruction_table() -> None:
               f"{(decoded - delta).abs().max().item():>14.2e}")
 
 
+def eval_curve(log_dir: Path) -> dict[int, float]:
+    """``{round: eval loss}`` from the first peer's event log under ``log_dir``."""
+    for events in sorted(log_dir.glob("*/events.jsonl")):
+        return {e["round"]: e["loss"] for e in read_events(events) if e.get("event") == "eval"}
+    return {}
+
+
 def _swarm_run(tmp: Path, codec: str, overlap: bool, rounds: int) -> str:
     """One ``p2p-diloco swarm --peers 3`` run; the table row (or FAILED)."""
     name = f"{codec}{'+overlap' if overlap else ''}"
@@ -84,23 +97,35 @@ def _swarm_run(tmp: Path, codec: str, overlap: bool, rounds: int) -> str:
             f"{str(result['all_digests_equal']):>14}")
 
 
-def swarm_table(rounds: int) -> None:
+RUNS = [*CODECS, "none+overlap", "int8+overlap"]
+
+
+def swarm_table(rounds: int, runs: list[str], curve: bool) -> None:
     print(f"\n3-peer swarm, {rounds} rounds per run, data seeds 1-3 (default config otherwise)")
     print(f"{'run':<13} {'eval first':>10} {'eval last':>10} {'MB sent/peer':>13} {'wall s':>7} {'digests agree':>14}")
-    runs = [(codec, False) for codec in CODECS] + [("none", True), ("int8", True)]
+    curves = {}
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-codecs-") as tmp:
-        for codec, overlap in runs:
-            print(_swarm_run(Path(tmp), codec, overlap, rounds), flush=True)
+        for run in runs:
+            codec, _, mode = run.partition("+")
+            print(_swarm_run(Path(tmp), codec, mode == "overlap", rounds), flush=True)
+            curves[run] = eval_curve(Path(tmp) / run)
+    if curve:
+        print("\neval loss after each round (global weights)")
+        print(f"{'round':>5} " + " ".join(f"{run:>13}" for run in runs))
+        for r in sorted({r for c in curves.values() for r in c}):
+            print(f"{r:>5} " + " ".join(f"{curves[run].get(r, float('nan')):>13.4f}" for run in runs))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-swarm", action="store_true", help="only the reconstruction table")
+    ap.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS, help="swarm runs, in order")
+    ap.add_argument("--curve", action="store_true", help="also print each run's eval loss after every round")
     args = ap.parse_args()
     reconstruction_table()
     if not args.skip_swarm:
-        swarm_table(args.rounds)
+        swarm_table(args.rounds, args.runs, args.curve)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ class Codec:
 
     name: str
 
+    @property
+    def lossless_fp32(self) -> bool:
+        """True iff the encoding is the fp32 bytes themselves (receivers may then decode in place)."""
+        return False
+
     def payload_bytes(self, numel: int) -> int:
         """Exact encoded size of ``numel`` values."""
         raise NotImplementedError
@@ -57,6 +62,10 @@ class CastCodec(Codec):
     """Store in a floating dtype (fp32 = lossless, fp16, bf16); round-to-nearest-even."""
 
     dtype: torch.dtype = torch.float32
+
+    @property
+    def lossless_fp32(self) -> bool:
+        return self.dtype == torch.float32
 
     def payload_bytes(self, numel: int) -> int:
         return numel * torch.finfo(self.dtype).bits // 8

@@ -33,7 +33,7 @@ from .averager import ExactAverager
 from .compression import compression_for
 from .fastpath import listen_socket
 from ..codecs import get_codec
-from ..processes import reap_children
+from ..processes import keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
 DHT_CALL_TIMEOUT = 15.0
@@ -99,6 +99,7 @@ class Swarm:
         """Start the DHT (joining ``swarm.initial_peers``), refuse a mismatched config, start the averager."""
         # Children forked from here (DHT, averager) and the p2pd they exec ignore SIGINT, so Ctrl-C in a terminal
         # reaches only the main process, which then shuts them down in order (see shutdown()).
+        keep_freed_memory()  # before the forks: the averager's data plane gains most (see processes.py)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             self.dht = hivemind.DHT(

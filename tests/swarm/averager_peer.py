@@ -42,9 +42,9 @@ def die_mid_allreduce(after_parts: int) -> None:
 
     original_serve = FastAllReduce.serve
 
-    async def dying_serve(self, reader, writer, sender, weight):  # data plane: die once a sender's part arrives
+    async def dying_serve(self, conn, sender, weight):  # data plane: die once a sender's part arrives
         os.killpg(os.getpgrp(), signal.SIGKILL)
-        await original_serve(self, reader, writer, sender, weight)
+        await original_serve(self, conn, sender, weight)
 
     FastAllReduce.serve = dying_serve
 

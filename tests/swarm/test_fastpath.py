@@ -2,12 +2,14 @@
 member with every codec, and all-or-nothing when a member vanishes or an outsider connects."""
 
 import asyncio
+import contextvars
 import os
 
 import pytest
 import torch
 
 from p2p_diloco.codecs import CODECS, get_codec
+from p2p_diloco.swarm import fastpath
 from p2p_diloco.swarm.fastpath import MAGIC, DataServer, FastAllReduce, FastPathError, listen_socket
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
@@ -34,8 +36,7 @@ async def _members(n, codec, vectors, weights, group_id, chunk_timeout=2.0):
 
 async def _close(servers):
     for server in servers:
-        server.server.close()
-        await server.server.wait_closed()
+        await server.close()
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -62,7 +63,7 @@ def test_a_member_that_vanishes_fails_everyone_fast():
     async def main():
         n = 3
         servers, runners = await _members(n, get_codec("none"), _vectors(n), [1.0] * n, os.urandom(20))
-        servers[2].server.close()  # member 2 is gone before the transfer: nobody may finish
+        await servers[2].close()  # member 2 is gone before the transfer: nobody may finish
         runs = [asyncio.ensure_future(r.run(1.0, 5.0)) for r in runners[:2]]
         results = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 20)
         await _close(servers[:2])
@@ -110,3 +111,36 @@ def test_a_member_that_never_sends_is_noticed_after_the_chunk_timeout():
     assert all(isinstance(r, FastPathError) for r in results), results
     assert any("no part from members [2]" in str(r) for r in results), results
     assert elapsed < 10
+
+
+def test_a_reducer_that_leaves_right_after_its_run_has_answered_everyone(monkeypatch):
+    """A peer may stop (closing its data server) the moment its all-reduce returns: by then every sender must
+    have its average. Member 2 reads its answers 0.5 s late, so the others' answers to it (16 MB each, more than
+    a socket buffer holds) are still being written when their own all-reduces are done."""
+    slow_reader = contextvars.ContextVar("slow_reader", default=False)
+    recv_into = fastpath._recv_into
+
+    async def late_answers(sock, view, timeout, touch=lambda: None):
+        if slow_reader.get() and len(view) == 1:  # the status byte before an answer
+            await asyncio.sleep(0.5)
+        await recv_into(sock, view, timeout, touch)
+
+    monkeypatch.setattr(fastpath, "_recv_into", late_answers)
+
+    async def main():
+        n = 3
+        servers, runners = await _members(n, get_codec("none"), _vectors(n, numel=12_000_000), [1.0] * n,
+                                          os.urandom(20))
+
+        async def run_then_leave(server, runner, slow):
+            slow_reader.set(slow)  # seen by the tasks run() starts: only member 2's sends read late
+            out = await runner.run(2.0, 20.0)
+            await server.close()
+            return out
+
+        runs = [run_then_leave(s, r, i == 2) for i, (s, r) in enumerate(zip(servers, runners))]
+        return await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 40)
+
+    outs = asyncio.run(main())
+    assert all(isinstance(o, torch.Tensor) for o in outs), outs
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
