@@ -67,6 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--peers", type=int, required=True, help="number of peers")
     swarm.add_argument("--data-seed", type=int, help="peer i reads data order S+i (default: from each peer id)")
     _add_config_args(swarm)
+    for name, text in (("eval", "eval loss and perplexity of a checkpoint's global weights"),
+                       ("export", "write a checkpoint's global weights as a Hugging Face model + tokenizer")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--checkpoint", required=True, metavar="PATH",
+                         help="a checkpoint file, or a --checkpoint-dir (its newest checkpoint)")
+        cmd.add_argument("--config", help="TOML config (default: the run's config, saved in the checkpoint)")
+        cmd.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                         help="override one config key, e.g. data.path=FILE to evaluate on another dataset")
+    sub.choices["eval"].add_argument("--json", action="store_true", help="print the result as one JSON object")
+    sub.choices["export"].add_argument("--out", required=True, metavar="DIR",
+                                       help="new (or empty) directory for save_pretrained files")
     return parser
 
 
@@ -163,6 +174,29 @@ def cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .export import evaluate_trained, load_trained
+
+    result = evaluate_trained(load_trained(args.checkpoint, args.config, args.sets))
+    if args.json:
+        print(json.dumps(result), flush=True)
+    else:
+        print(f"round {result['round']} (global digest {result['global_digest'][:12]}): "
+              f"eval_loss={result['eval_loss']:.4f} perplexity={result['perplexity']:.3f} "
+              f"on {result['eval_tokens']} held-out tokens of {result['data_path']}", flush=True)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_trained, load_trained
+
+    trained = load_trained(args.checkpoint, args.config, args.sets)
+    out = export_trained(trained, args.out)
+    print(f"exported round {trained.state.round} (global digest {trained.state.global_digest[:12]}) to {out}",
+          flush=True)
+    return 0
+
+
 _STDERR_HANDLER = logging.StreamHandler(sys.stderr)
 
 
@@ -183,6 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "join":
             return cmd_join(args)
+        if args.command in ("eval", "export"):
+            return {"eval": cmd_eval, "export": cmd_export}[args.command](args)
         from .launcher import cmd_swarm
 
         return cmd_swarm(args)

@@ -249,9 +249,9 @@ def parse_set(item: str) -> tuple[str, str, Any]:
     return parts[0], parts[1], value
 
 
-def load_config(path: str | Path | None = None, sets: Iterable[str] = ()) -> Config:
-    """Build a :class:`Config`: defaults, then the TOML file at ``path``, then ``--set`` items."""
-    cfg = Config()
+def load_config(path: str | Path | None = None, sets: Iterable[str] = (), base: Config | None = None) -> Config:
+    """Build a :class:`Config`: defaults (or ``base``), then the TOML file at ``path``, then ``--set`` items."""
+    cfg = base if base is not None else Config()
     if path:
         p = Path(path)
         if not p.is_file():

@@ -277,7 +277,7 @@ class Peer(Recovery, OverlappedRounds):
         extra = {"data_seed": self.data_seed, "tokens_trained": self.tokens_trained,
                  "rounds_participated": self.rounds_participated, "bytes_sent": self.bytes_sent,
                  "bytes_received": self.bytes_received, "eval_first": self.eval_first,
-                 "peer_id": getattr(self.swarm, "peer_id", "")}
+                 "peer_id": getattr(self.swarm, "peer_id", ""), "config": self.cfg.to_dict()}
         with self._state_lock:
             state = PeerState(round=self.round, fingerprint=self.cfg.fingerprint(), global_digest=self.digest,
                               theta=self.theta, momentum=self.outer.momentum_buffers,

@@ -27,6 +27,10 @@ def run_cli(*args, env=None):
     (["join", "--max-rounds", "x"], "invalid int value"),
     (["join", "--bogus"], "unrecognized arguments"),
     (["swarm", "--peers", "0"], "--peers must be >= 1"),
+    (["eval"], "the following arguments are required: --checkpoint"),
+    (["export", "--checkpoint", "/nonexistent"], "the following arguments are required: --out"),
+    (["eval", "--checkpoint", "/nonexistent/ckpt"], "checkpoint not found"),
+    (["export", "--checkpoint", "/nonexistent/ckpt", "--out", "/tmp/x"], "checkpoint not found"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
     r = run_cli(*args)
