@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -105,8 +106,9 @@ def swarm_arm(name: str, cfg: Config, sets: list[str], peers: int, steps: int, h
     rounds = steps // h
     log_dir = out / name
     summary = out / f"{name}.json"
+    run_id = re.sub(r"[^A-Za-z0-9_-]", "_", f"convergence-{name}-{int(time.time())}")  # run ids: no dots
     cmd = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", str(peers), "--max-rounds", str(rounds),
-           "--inner-steps", str(h), "--run-id", f"convergence-{name}-{int(time.time())}",
+           "--inner-steps", str(h), "--run-id", run_id,
            "--data-seed", str(DATA_SEED), "--log-dir", str(log_dir), "--summary-json", str(summary),
            "--set", f"train.total_steps={rounds * h}"]
     for item in sets:
