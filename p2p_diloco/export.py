@@ -121,6 +121,9 @@ def export_trained(trained: Trained, out: str | Path) -> Path:
     hf_logging.disable_progress_bar()  # one line of output, not a progress bar per shard
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the export is an ordinary directory
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         if out.exists():

@@ -1,5 +1,7 @@
 """eval/export helpers without a swarm: the run's config comes from the checkpoint, overrides win, θ is loaded."""
 
+import os
+
 import pytest
 import torch
 
@@ -51,3 +53,17 @@ def test_bad_inputs_are_one_line_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="already exists"):
         export_trained(load_trained(tmp_path), out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_export_writes_an_ordinary_directory(tmp_path):
+    _save_run(tmp_path / "ckpt", num_layers=1, hidden_size=64)
+    out = export_trained(load_trained(tmp_path / "ckpt"), tmp_path / "hf")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert out.stat().st_mode & 0o777 == 0o777 & ~_umask()
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
