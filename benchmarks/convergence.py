@@ -7,16 +7,19 @@ weights):
 2. ``dp``: data parallel, N workers' batches per step (N x B, the same data the N DiLoCo peers read), T steps; a
    gradient sync every step, run in this process as gradient accumulation over the N batches (what DDP computes).
 3. ``diloco-h<small>`` and ``diloco-h<large>``: DiLoCo, N peers through the real swarm (``p2p-diloco swarm``),
-   T inner steps per peer in rounds of H.
-4. ``diloco-h<large>-int8``: the same with ``outer.compression = int8``.
-5. ``fedavg-h<large>``: the same with outer lr 1.0 and no momentum (FedAvg, the paper's ablation).
+   T inner steps per peer in rounds of H, with the config's own outer step.
+4. ``diloco-h<small>-int8``: the same with ``outer.compression = int8``.
+5. ``fedavg-h<small>``: outer lr 1.0 and no momentum (FedAvg, the paper's ablation).
+6. ``paper-outer-h<small>`` (not with ``--quick``, or ``--paper-outer``): the DiLoCo paper's outer step, lr 0.7
+   with Nesterov momentum 0.9, tuned at 150M+ (at the tiny default it is far worse; see ``docs/results.md``).
 
-Arms 2-5 process the same N x T x B sequences; arm 1 a quarter of them. The learning-rate schedule (warmup, then
+Arms 2-6 process the same N x T x B sequences; arm 1 a quarter of them. The learning-rate schedule (warmup, then
 cosine to ``min_lr_ratio`` over T steps) is the same everywhere, as a function of the inner step.
 
 Printed: a table (final eval loss, perplexity, bytes sent per worker, wall time), eval loss against tokens for every
 arm (also as a PNG), and the last line ``diloco_over_dp=<x> diloco_over_single=<y>``, where DiLoCo is the
-``diloco-h<large>`` arm (the communication-efficient setting; every arm is in the table).
+``diloco-h<small>`` arm: with T = 600 the large H gives only 6 rounds, far fewer than the paper's ~180, so the small
+H is the closer setting (every arm is in the table).
 
 Bytes: DiLoCo's are measured (``bytes_sent`` of each peer's summary). Data parallel's are *computed*, not measured:
 a ring all-reduce of the fp32 gradients every step sends 2(N-1)/N x 4 bytes x parameters per worker.
@@ -66,12 +69,12 @@ class Arm:
         return self.curve[-1][1] if self.curve else float("nan")
 
 
-def local_arm(name: str, cfg: Config, workers: int, steps: int, eval_every: int) -> Arm:
+def local_arm(name: str, cfg: Config, workers: int, steps: int, eval_every: int, data_seed: int = DATA_SEED) -> Arm:
     """Train in this process with ``workers`` batches per step (1 = single peer, N = data parallel)."""
     torch.manual_seed(0)
     tok = build_tokenizer(cfg.tokenizer)
     model = build_model(cfg.model, vocab_size(tok), cfg.run.seed)
-    streams = [PackedStream(tok, cfg.data, DATA_SEED + i) for i in range(workers)]
+    streams = [PackedStream(tok, cfg.data, data_seed + i) for i in range(workers)]
     evals = eval_batches(tok, cfg.data, cfg.eval.batches)
     t = cfg.train
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -167,12 +170,47 @@ def plot(arms: list[Arm], path: Path, title: str) -> None:
     print(f"plot: {path}")
 
 
+FEDAVG = ["outer.lr=1.0", "outer.momentum=0.0"]
+PAPER_OUTER = ["outer.lr=0.7", "outer.momentum=0.9", "outer.nesterov=true"]  # DiLoCo paper, tuned at 150M+
+
+
+def swarm_arms(small: int, large: int, paper: bool) -> list[tuple[str, int, list[str]]]:
+    """(name, H, extra --set items) of the swarm arms. The config's own outer step is "diloco"."""
+    arms = [(f"diloco-h{small}", small, []), (f"diloco-h{large}", large, []),
+            (f"diloco-h{small}-int8", small, ["outer.compression=int8"]), (f"fedavg-h{small}", small, FEDAVG)]
+    if paper:
+        arms.append((f"paper-outer-h{small}", small, PAPER_OUTER))
+    return arms
+
+
+def run_swarm_arms(cfg_sets: list[str], specs, peers: int, steps: int, out: Path) -> list[Arm]:
+    """Run each swarm arm once; an arm whose config equals an earlier arm's (e.g. FedAvg when the config's own
+    outer step already is FedAvg) reuses that result instead of training the same thing twice."""
+    arms: list[Arm] = []
+    seen: dict[tuple[str, int], Arm] = {}
+    for name, h, extra in specs:
+        cfg = load_config(None, cfg_sets + extra)
+        key = (json.dumps(cfg.to_dict(), sort_keys=True), h)
+        if key in seen:
+            twin = seen[key]
+            arms.append(Arm(name, curve=list(twin.curve), bytes_per_worker=twin.bytes_per_worker,
+                            wall_s=twin.wall_s, note=f"same config as {twin.name}: its result"))
+        else:
+            arms.append(swarm_arm(name, cfg, cfg_sets + extra, peers, steps, h, out))
+            seen[key] = arms[-1]
+        print(f"  {name}: {arms[-1].final:.4f} ({arms[-1].wall_s:.0f} s) {arms[-1].note}", flush=True)
+    return arms
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="T = 600, default tiny model (under 15 min)")
     ap.add_argument("--steps", type=int, default=None, help="T: inner steps per worker (default 2000, 600 quick)")
     ap.add_argument("--peers", type=int, default=4)
     ap.add_argument("--h", type=int, nargs=2, default=[20, 100], metavar=("SMALL", "LARGE"))
+    ap.add_argument("--paper-outer", action=argparse.BooleanOptionalAction, default=None,
+                    help="also the DiLoCo paper's outer step (lr 0.7, Nesterov 0.9) at the small H "
+                         "(default: on, off with --quick)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="config override for every arm (e.g. a bigger model)")
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: in the output directory)")
@@ -182,30 +220,28 @@ def main() -> int:
     small, large = args.h
     if steps % small or steps % large:
         ap.error(f"--steps {steps} must be a multiple of both H values {small} and {large}")
+    paper = not args.quick if args.paper_outer is None else args.paper_outer
     out = args.out_dir or Path(tempfile.mkdtemp(prefix="p2p-diloco-convergence-"))
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(None, args.sets)
     torch.set_num_threads(2)
     params = count_parameters(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), cfg.run.seed))
     print(f"{params:,} parameters; T = {steps} steps per worker, N = {args.peers}, H in {{{small}, {large}}}; "
-          f"batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens; logs in {out}", flush=True)
+          f"batch {cfg.data.batch_size} x {cfg.data.seq_len} tokens; outer lr {cfg.outer.lr}, momentum "
+          f"{cfg.outer.momentum}; logs in {out}", flush=True)
     t0 = time.monotonic()
     arms = [local_arm("single", cfg, 1, steps, small)]
     print(f"  single: {arms[-1].final:.4f} ({arms[-1].wall_s:.0f} s)", flush=True)
     arms.append(local_arm(f"dp-{args.peers}x-batch", cfg, args.peers, steps, small))
     print(f"  dp: {arms[-1].final:.4f} ({arms[-1].wall_s:.0f} s)", flush=True)
-    for name, h, extra in [(f"diloco-h{small}", small, []), (f"diloco-h{large}", large, []),
-                           (f"diloco-h{large}-int8", large, ["outer.compression=int8"]),
-                           (f"fedavg-h{large}", large, ["outer.lr=1.0", "outer.momentum=0.0"])]:
-        arms.append(swarm_arm(name, cfg, args.sets + extra, args.peers, steps, h, out))
-        print(f"  {name}: {arms[-1].final:.4f} ({arms[-1].wall_s:.0f} s) {arms[-1].note}", flush=True)
+    arms += run_swarm_arms(args.sets, swarm_arms(small, large, paper), args.peers, steps, out)
     print(f"runtime {time.monotonic() - t0:.0f} s")
     print_table(arms, params)
     print_curves(arms)
     plot(arms, args.plot or out / "convergence.png",
          f"{params / 1e6:.2f}M-param Llama, N={args.peers}, T={steps} steps/worker")
     by_name = {a.name: a for a in arms}
-    diloco, dp, single = by_name[f"diloco-h{large}"], by_name[f"dp-{args.peers}x-batch"], by_name["single"]
+    diloco, dp, single = by_name[f"diloco-h{small}"], by_name[f"dp-{args.peers}x-batch"], by_name["single"]
     print(f"diloco_over_dp={diloco.final / dp.final:.4f} diloco_over_single={diloco.final / single.final:.4f}")
     return 0
 

@@ -1,0 +1,114 @@
+"""Outer-optimizer sweep: DiLoCo's arithmetic for N workers, simulated in one process, no network.
+
+Why this exists: choosing the outer step (lr, momentum) needs many runs, and the real swarm spends most of a tiny
+run on process start-up and matchmaking. This script runs the *same* code a peer runs, minus the swarm: N
+:class:`~p2p_diloco.inner.InnerTrainer` s (each with its own AdamW state and data order ``DATA_SEED + i``, as
+``p2p-diloco swarm --data-seed 1`` gives), :func:`~p2p_diloco.outer.pseudo_gradient`, the uniform mean, and
+:class:`~p2p_diloco.outer.OuterOptimizer`. Only the summation order of the mean differs from the swarm's
+butterfly all-reduce, so losses agree with ``convergence.py``'s swarm arms up to float noise, not bit for bit.
+``convergence.py`` stays the benchmark of record; this is the instrument for sweeps.
+
+Usage::
+
+    python benchmarks/outer_sweep.py --steps 600 --h 20 100 --outer 0.7:0.9 1.0:0 [--set data.batch_size=32]
+
+``--outer LR:MOMENTUM`` (Nesterov whenever momentum > 0). ``--ref`` adds the single-worker and N x batch data
+parallel arms of ``convergence.py``. One line per run: ``sweep h=<H> outer=<lr>:<m> final=<loss> curve=...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from convergence import DATA_SEED, local_arm  # noqa: E402
+
+from p2p_diloco import outer  # noqa: E402
+from p2p_diloco.config import Config, load_config  # noqa: E402
+from p2p_diloco.data import PackedStream, eval_batches  # noqa: E402
+from p2p_diloco.inner import InnerTrainer, evaluate  # noqa: E402
+from p2p_diloco.model import build_model, count_parameters  # noqa: E402
+from p2p_diloco.tokenizer import build_tokenizer, vocab_size  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: float,
+             data_seed: int = DATA_SEED) -> list[float]:
+    """T/H rounds of DiLoCo with N simulated workers; returns the eval loss of theta after every round (and at 0)."""
+    tok = build_tokenizer(cfg.tokenizer)
+    model = build_model(cfg.model, vocab_size(tok), cfg.run.seed)
+    evals = eval_batches(tok, cfg.data, cfg.eval.batches)
+    theta = outer.snapshot(model.parameters())
+    opt = outer.OuterOptimizer(theta, lr, momentum, nesterov=momentum > 0)
+    workers = []
+    for i in range(peers):
+        replica = copy.deepcopy(model)
+        stream = PackedStream(tok, cfg.data, data_seed + i)
+        workers.append((replica, stream, InnerTrainer(replica, cfg.train, stream.next_batch, steps, CPU)))
+    delta = [torch.zeros_like(t) for t in theta]
+    part = [torch.zeros_like(t) for t in theta]
+    curve = [evaluate(model, evals, CPU)]
+    for rnd in range(steps // h):
+        for d in delta:
+            d.zero_()
+        for replica, _, trainer in workers:
+            outer.load_into(replica.parameters(), theta)
+            for k in range(h):
+                trainer.step(rnd * h + k)
+            outer.pseudo_gradient(theta, replica.parameters(), part)
+            for d, p in zip(delta, part):
+                d.add_(p)
+        for d in delta:
+            d.div_(peers)
+        opt.step(delta)
+        outer.load_into(model.parameters(), theta)
+        curve.append(evaluate(model, evals, CPU))
+    for _, stream, _ in workers:
+        stream.close()
+    return curve
+
+
+def parse_outer(text: str) -> tuple[float, float]:
+    lr, _, m = text.partition(":")
+    return float(lr), float(m or 0.0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=600, help="T: inner steps per worker")
+    ap.add_argument("--peers", type=int, default=4)
+    ap.add_argument("--h", type=int, nargs="+", default=[20, 100])
+    ap.add_argument("--outer", type=parse_outer, nargs="+", default=[(0.7, 0.9), (1.0, 0.0)], metavar="LR:M")
+    ap.add_argument("--data-seed", type=int, default=DATA_SEED, help="worker i reads data order S + i")
+    ap.add_argument("--ref", action="store_true", help="also the single-worker and data-parallel arms")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = ap.parse_args()
+    cfg = load_config(None, args.sets)
+    torch.set_num_threads(2)
+    params = count_parameters(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), cfg.run.seed))
+    print(f"{params:,} parameters; T = {args.steps}, N = {args.peers}, batch {cfg.data.batch_size} x "
+          f"{cfg.data.seq_len}; data seed {args.data_seed}; sets {args.sets}", flush=True)
+    if args.ref:
+        for name, n in [("single", 1), (f"dp-{args.peers}x", args.peers)]:
+            arm = local_arm(name, cfg, n, args.steps, min(args.h), args.data_seed)
+            print(f"ref {name} final={arm.final:.4f} wall={arm.wall_s:.0f}s", flush=True)
+    for h in args.h:
+        if args.steps % h:
+            ap.error(f"--steps {args.steps} is not a multiple of H = {h}")
+        for lr, m in args.outer:
+            t0 = time.monotonic()
+            curve = simulate(cfg, args.peers, args.steps, h, lr, m, args.data_seed)
+            print(f"sweep h={h} outer={lr}:{m} final={curve[-1]:.4f} wall={time.monotonic() - t0:.0f}s "
+                  f"curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The convergence benchmarks' own arithmetic: the in-process DiLoCo simulator used for outer-step sweeps must be
+DiLoCo (checked against the cases where DiLoCo reduces to something simpler), or its sweeps mean nothing."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from convergence import local_arm  # noqa: E402
+from outer_sweep import parse_outer, simulate  # noqa: E402
+
+from p2p_diloco.config import load_config  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+MICRO = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
+         "model.intermediate_size=64", "data.seq_len=32", "data.batch_size=2", "data.max_bytes=400000", "data.eval_fraction=0.2",
+         "eval.batches=2", "train.warmup_steps=2"]
+
+
+def test_one_worker_fedavg_is_plain_training():
+    # N = 1 and outer lr 1, no momentum: theta(t) = the worker's weights, and the worker keeps its AdamW state
+    # across rounds, so 3 rounds of H = 2 must be exactly 6 steps of one uninterrupted AdamW run.
+    cfg = load_config(None, MICRO)
+    curve = simulate(cfg, peers=1, steps=6, h=2, lr=1.0, momentum=0.0)
+    single = local_arm("single", cfg, 1, 6, eval_every=2)
+    assert len(curve) == 4
+    assert curve == pytest.approx([loss for _, loss in single.curve], rel=0, abs=1e-5)
+
+
+def test_the_outer_step_matters_and_momentum_is_applied():
+    # Same data and inner steps, different outer steps: the trajectories must differ after round 1 (Nesterov's
+    # first step is 1.9 x lr x delta, FedAvg's 1 x delta), and equal outer settings must give equal trajectories.
+    cfg = load_config(None, MICRO)
+    fedavg = simulate(cfg, peers=2, steps=4, h=2, lr=1.0, momentum=0.0)
+    nesterov = simulate(cfg, peers=2, steps=4, h=2, lr=0.7, momentum=0.9)
+    assert fedavg[0] == nesterov[0] and fedavg[1] != nesterov[1]
+    assert simulate(cfg, peers=2, steps=4, h=2, lr=0.7, momentum=0.9) == nesterov
+
+
+def test_parse_outer():
+    assert parse_outer("0.7:0.9") == (0.7, 0.9) and parse_outer("1.0") == (1.0, 0.0)
