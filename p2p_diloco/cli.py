@@ -62,10 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--data-seed", type=int, help="this peer's data order (default: from its peer id)")
     join.add_argument("--checkpoint-dir", help="save a checkpoint here at round boundaries (keeps the last k)")
     join.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    join.add_argument("--debug-step-delay", type=float, metavar="SECONDS",
+                      help="test only: sleep this long after every inner step (a slow peer)")
     _add_config_args(join)
     swarm = sub.add_parser("swarm", help="run N peers on 127.0.0.1, each a separate join process")
     swarm.add_argument("--peers", type=int, required=True, help="number of peers")
     swarm.add_argument("--data-seed", type=int, help="peer i reads data order S+i (default: from each peer id)")
+    swarm.add_argument("--debug-step-delay", type=float, nargs="+", metavar="SECONDS",
+                       help="test only: sleep after every inner step; one value for all peers, or one per peer")
     _add_config_args(swarm)
     for name, text in (("eval", "eval loss and perplexity of a checkpoint's global weights"),
                        ("export", "write a checkpoint's global weights as a Hugging Face model + tokenizer")):
@@ -86,7 +90,9 @@ def load_join_config(args: argparse.Namespace):
     from .config import apply_overrides, load_config
 
     cfg = load_config(args.config, args.sets)
-    flags: dict[str, dict] = {"run": {}, "train": {}, "data": {}, "swarm": {}, "checkpoint": {}}
+    flags: dict[str, dict] = {"run": {}, "train": {}, "data": {}, "swarm": {}, "checkpoint": {}, "debug": {}}
+    if isinstance(getattr(args, "debug_step_delay", None), float):
+        flags["debug"]["step_delay"] = args.debug_step_delay
     if getattr(args, "checkpoint_dir", None) is not None:
         flags["checkpoint"]["dir"] = args.checkpoint_dir
     if getattr(args, "resume", False):

@@ -109,6 +109,21 @@ class OuterConfig:
 
 
 @dataclass
+class RoundConfig:
+    """When a round's inner training ends.
+
+    ``fixed_steps``: every peer does ``train.inner_steps`` (H) steps; with peers of different speeds the fast ones
+    wait for the slow ones. ``swarm_target``: the round ends for everyone once the swarm's combined progress,
+    counted in tokens, reaches a target (by default H steps of every live peer), so a fast peer does more steps
+    and a slow one fewer, and all of them enter the all-reduce together; the average is weighted by tokens.
+    """
+
+    mode: str = "fixed_steps"  # fixed_steps | swarm_target
+    target_tokens: int = 0  # swarm_target: tokens per round for the whole swarm; 0 = H x each live peer's batch
+    progress_period: float = 0.5  # swarm_target: seconds between reads of the peers' progress records
+
+
+@dataclass
 class EvalConfig:
     every_rounds: int = 1
     batches: int = 8
@@ -156,6 +171,7 @@ class DebugConfig:
     state_delay: float = 0.0  # seconds slept before sending each chunk of a state download (to kill a donor mid-way)
     sync_delay: float = 0.0  # seconds slept before the first all-reduce attempt of round ``sync_delay_round``
     sync_delay_round: int = 0  # (holds the others back so that a test can kill a peer waiting in matchmaking)
+    step_delay: float = 0.0  # seconds slept after every inner step: a slow peer for tests and benchmarks
 
 
 @dataclass
@@ -166,6 +182,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     outer: OuterConfig = field(default_factory=OuterConfig)
+    round: RoundConfig = field(default_factory=RoundConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     swarm: SwarmConfig = field(default_factory=SwarmConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -176,7 +193,7 @@ class Config:
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """The settings that must agree for peers to average together (flattened ``section.key`` -> value)."""
-        out: dict[str, Any] = {"run.seed": self.run.seed}
+        out: dict[str, Any] = {"run.seed": self.run.seed, "round.mode": self.round.mode}
         for section in ("model", "tokenizer", "outer"):
             for key, value in dataclasses.asdict(getattr(self, section)).items():
                 out[f"{section}.{key}"] = value
@@ -322,7 +339,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"swarm.transport must be tcp or p2p, got {cfg.swarm.transport!r}")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
+    if cfg.round.mode not in ("fixed_steps", "swarm_target"):
+        raise ConfigError(f"round.mode must be fixed_steps or swarm_target, got {cfg.round.mode!r}")
+    if cfg.round.target_tokens < 0 or cfg.round.progress_period <= 0:
+        raise ConfigError("round.target_tokens must be >= 0 and round.progress_period > 0")
+    if cfg.round.mode == "swarm_target" and cfg.outer.overlap:
+        raise ConfigError("round.mode = swarm_target does not work with outer.overlap yet")
     d = cfg.debug
-    if min(d.part_delay, d.state_delay, d.corrupt_theta_at_round, d.sync_delay, d.sync_delay_round) < 0:
-        raise ConfigError("debug.part_delay, debug.state_delay, debug.sync_delay, debug.sync_delay_round and "
-                          "debug.corrupt_theta_at_round must be >= 0")
+    if min(d.part_delay, d.state_delay, d.corrupt_theta_at_round, d.sync_delay, d.sync_delay_round, d.step_delay) < 0:
+        raise ConfigError("debug.part_delay, debug.state_delay, debug.sync_delay, debug.sync_delay_round, "
+                          "debug.step_delay and debug.corrupt_theta_at_round must be >= 0")

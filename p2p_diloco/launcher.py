@@ -66,6 +66,9 @@ def _join_command(args: argparse.Namespace, index: int, log_dir: Path, initial: 
     for flag in ("run_id", "max_rounds", "inner_steps"):
         if getattr(args, flag) is not None:
             cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    delays = getattr(args, "debug_step_delay", None)
+    if delays:
+        cmd += ["--debug-step-delay", str(delays[index] if len(delays) > 1 else delays[0])]
     if getattr(args, "data_seed", None) is not None:  # reproducible runs, still a different order per peer
         cmd += ["--data-seed", str(args.data_seed + index)]
     if initial:
@@ -160,10 +163,13 @@ def format_table(summaries: list[dict]) -> str:
 def cmd_swarm(args: argparse.Namespace) -> int:
     from .cli import load_join_config
 
-    if args.peers < 1:
-        from .errors import UsageError
+    from .errors import UsageError
 
+    if args.peers < 1:
         raise UsageError("--peers must be >= 1")
+    delays = args.debug_step_delay or []
+    if len(delays) not in (0, 1, args.peers) or any(d < 0 for d in delays):
+        raise UsageError(f"--debug-step-delay takes one value >= 0, or one per peer ({args.peers}), got {delays}")
     load_join_config(argparse.Namespace(**{**vars(args), "initial_peers": None}))  # fail fast on bad config
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="p2p-diloco-swarm-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import consensus
+from . import consensus, progress
 from . import outer as outer_mod
 from .checkpoint import CheckpointStore, PeerState, capture_rng, restore_rng
 from .config import Config
@@ -95,6 +95,7 @@ class Peer(Recovery, OverlappedRounds):
         self.eval_first: float | None = None
         self.eval_last: float | None = None
         self._last_group_size = 1
+        self._tokens_per_s = 0.0  # our training speed in the last round (swarm_target progress records)
         self._at_boundary = True  # no inner step since theta(self.round) was set: a consistent checkpoint point
         log.info("model: %d parameters, fingerprint %s", count_parameters(self.model), cfg.fingerprint())
 
@@ -176,29 +177,55 @@ class Peer(Recovery, OverlappedRounds):
         """theta(self.round) is set (outer step or download): load it, announce it, checkpoint, evaluate."""
         outer_mod.load_into(self.params, self.theta)
         self._at_boundary = True
-        self.swarm.publish(phase=phase, round=self.round, digest=self.digest, inner_step=0)
+        self.swarm.publish(phase=phase, round=self.round, digest=self.digest, inner_step=0, round_tokens=0)
         self.swarm.set_donor_round(self.round)
         self._save_checkpoint()
         if self.round % self.cfg.eval.every_rounds == 0 or self._finished():
             self._evaluate()
 
     def _train_inner(self, r: int) -> tuple[int, int]:
-        H, tokens, t0 = self.cfg.train.inner_steps, 0, time.monotonic()
-        k = 0
-        for k in range(1, H + 1):
-            if self.stop.is_set():
-                k -= 1
+        """Round ``r``'s inner steps: H of them, or (``swarm_target``) until the swarm's progress reaches the
+        round's target (:mod:`p2p_diloco.progress`). Returns (tokens trained, inner steps)."""
+        H, tokens, k, t0 = self.cfg.train.inner_steps, 0, 0, time.monotonic()
+        by_target = self.cfg.round.mode == "swarm_target"
+        step_tokens = self.data.tokens_per_batch * self.cfg.train.grad_accum
+        records: dict[str, dict] = {}
+        lr_step, next_read = r * H, t0
+        while not self.stop.is_set():
+            if not by_target and k >= H:
                 break
+            if by_target:
+                if time.monotonic() >= next_read:  # publish ours, read theirs; extrapolate them in between
+                    records = self._exchange_progress(tokens, step_tokens, time.monotonic() - t0)
+                    next_read = time.monotonic() + self.cfg.round.progress_period
+                done = progress.swarm_progress(r, tokens, step_tokens, records, H, self.cfg.round.target_tokens,
+                                               now=time.time())
+                if done.reached and k > 0:  # at least one step: a zero-token pseudo-gradient has no weight
+                    break
+                # the lr schedule follows the swarm's progress through the round, so fast and slow peers agree
+                lr_step = r * H + min(H - 1, int(H * done.fraction))
+            k += 1
             self._at_boundary = False
-            loss, n = self.trainer.step(r * H + k - 1)
+            loss, n = self.trainer.step(lr_step if by_target else r * H + k - 1)
             tokens += n
-            self.swarm.update(inner_step=k, tokens=self.tokens_trained + tokens)
+            self.swarm.update(inner_step=k, tokens=self.tokens_trained + tokens, round_tokens=tokens)
             if k % PROGRESS_EVERY == 0 or k == H:
                 self.metrics.event("inner_progress", r + 1, inner_step=k, loss=round(loss, 4))
             rate = tokens / max(time.monotonic() - t0, 1e-9)
-            self.metrics.status(f"round {r + 1} inner_step {k}/{H} loss {loss:.3f} {rate:,.0f} tok/s")
+            self.metrics.status(f"round {r + 1} inner_step {k}{'' if by_target else f'/{H}'} loss {loss:.3f} "
+                                f"{rate:,.0f} tok/s")
+            if self.cfg.debug.step_delay:
+                self.stop.wait(self.cfg.debug.step_delay)  # tests and benchmarks only: a slow peer
         self.tokens_trained += tokens
+        self.metrics.event("inner_done", r + 1, inner_steps=k, tokens=tokens, seconds=round(time.monotonic() - t0, 3))
         return tokens, k
+
+    def _exchange_progress(self, tokens: int, step_tokens: int, elapsed: float) -> dict[str, dict]:
+        """Publish our progress in the round (``swarm_target``) and return the other peers' records."""
+        rate = tokens / elapsed if tokens and elapsed > 0 else self._tokens_per_s
+        self._tokens_per_s = rate
+        self.swarm.publish(round_tokens=tokens, step_tokens=step_tokens, tokens_per_s=round(rate, 1))
+        return self._live_peers()
 
     def _sync(self, r: int, delta: list[torch.Tensor], tokens: int) -> bool:
         """Average ``delta`` in place with round ``r``'s peers. False if we fell behind or repaired instead."""
