@@ -1,8 +1,9 @@
 """Peers of different speeds: ``round.mode = fixed_steps`` against ``swarm_target``, through the real swarm.
 
 N peers (``p2p-diloco swarm``), the last ``--slow`` of them slowed with ``--debug-step-delay`` (an artificial sleep
-per inner step). Both modes train the same token budget: R rounds of H steps of every peer's batch (under
-``swarm_target`` a round's target is exactly that many tokens, spread over the peers by speed).
+per inner step). Every mode is given the same token budget: R rounds of H steps of every peer's batch (under
+``swarm_target`` a round's target is exactly that many tokens, spread over the peers by speed; under
+``fixed_steps_no_wait`` the slow peer's tokens are trained but dropped).
 
 Modes: ``fixed_steps`` (everyone waits for the slowest), ``fixed_steps_no_wait`` (fast peers wait at most 2 s for
 a straggler, so the slow peer misses rounds: its work is dropped and it downloads the swarm's state, the
