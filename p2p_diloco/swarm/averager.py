@@ -19,6 +19,7 @@ can never match).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import AsyncIterator, Sequence
 
 import torch
@@ -50,6 +51,14 @@ class ExactAllReduceRunner(AllReduceRunner):
         self.bytes_sent = 0
         self.bytes_received = 0
         container = self.tensor_part_container
+        # Remote senders whose stream of averaged parts we (as a reducer) answer: see wait_served().
+        has_slice = container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] != 0
+        self._to_serve = len([p for p in self.sender_peer_ids if p != self.peer_id]) if has_slice else 0
+        self._served = 0
+        self._last_answer = time.monotonic()
+        self._all_served = asyncio.Event()
+        if self._to_serve == 0:
+            self._all_served.set()
         register_failed_reducer = container.register_failed_reducer
 
         def on_failed_reducer(peer_index: int) -> None:
@@ -139,9 +148,36 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self.bytes_received += msg.tensor_part.ByteSize()
                 yield msg
 
-        async for msg in super().rpc_aggregate_part(counted(stream), context):
-            self.bytes_sent += msg.tensor_part.ByteSize()
-            yield msg
+        try:
+            async for msg in super().rpc_aggregate_part(counted(stream), context):
+                self.bytes_sent += msg.tensor_part.ByteSize()
+                self._last_answer = time.monotonic()
+                yield msg
+        finally:  # runs once the transport asked for more after our last answer, or the stream broke
+            self._served += 1
+            if self._served >= self._to_serve:
+                self._all_served.set()
+
+    async def wait_served(self, idle_timeout: float, deadline: float) -> bool:
+        """Wait until every remote sender has been handed all its averaged parts of our slice; False if no answer
+        went out for ``idle_timeout`` s or ``deadline`` (``time.monotonic()``) came first.
+
+        Our own outputs can be complete while our answers to a slower sender are still being streamed (the last
+        parts are encoded and written after the reduction that completed our slice). Leaving earlier read
+        ``bytes_sent`` short (a CI failure: 607 kB counted of 721 kB sent) and, when the peer then shut down, cut
+        the others' transfers short so that their all-reduce failed. The TCP data plane waits the same way
+        (``FastAllReduce.all_served``).
+        """
+        while not self._all_served.is_set():
+            now = time.monotonic()
+            wait = min(self._last_answer + idle_timeout, deadline) - now
+            if wait <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._all_served.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+        return True
 
     def _get_peer_stub(self, peer):
         return _CountingStub(super()._get_peer_stub(peer), self)
@@ -241,6 +277,7 @@ class ExactAverager(DecentralizedAverager):
             return await self._fast_allreduce(tensors, group_info, addresses, kwargs["weight"],
                                               kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
+        started = time.monotonic()
         runner = ExactAllReduceRunner(
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, **kwargs,
@@ -269,6 +306,12 @@ class ExactAverager(DecentralizedAverager):
             raise AllreduceException(
                 f"partial all-reduce refused: {container.failed_size} of {container.total_size} values not averaged"
             )
+        # Bounded so that a stalled sender cannot turn our finished all-reduce into a timeout (hivemind's
+        # allreduce_timeout counts from about when this runner started).
+        deadline = started + max((self._allreduce_timeout or 60.0) - 1.0, 0.0)
+        if not await runner.wait_served(self.next_chunk_timeout or STREAM_OPEN_TIMEOUT, deadline):
+            # Our result is complete and exact; a sender that stopped reading has its own timeout to fail on.
+            logger.warning(f"all-reduce done, but {runner._to_serve - runner._served} sender(s) not fully answered")
         self._last_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received}
 
     async def _set_round_params(self, group_bits: str, group_size: int, future):

@@ -2,10 +2,12 @@
 
 Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K] [--attempts A]
                        [--codec none|fp16|bf16|int8|int4]
+                       [--slow-answers SECONDS]
 Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
 """
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -49,6 +51,21 @@ def die_mid_allreduce(after_parts: int) -> None:
     FastAllReduce.serve = dying_serve
 
 
+def slow_answers(delay: float) -> None:
+    """Patch the reducer so that it hands each averaged part to the transport ``delay`` s late: our own outputs
+    are then complete well before our answers to the other senders are (the race behind a short bytes_sent)."""
+    from p2p_diloco.swarm.averager import ExactAllReduceRunner
+
+    original = ExactAllReduceRunner.rpc_aggregate_part
+
+    async def slow(self, stream, context):
+        async for msg in original(self, stream, context):
+            await asyncio.sleep(delay)
+            yield msg
+
+    ExactAllReduceRunner.rpc_aggregate_part = slow
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("index", type=int)
@@ -57,6 +74,7 @@ def main() -> None:
     p.add_argument("--initial", nargs="*", default=None)
     p.add_argument("--die-after-parts", type=int, default=None)
     p.add_argument("--attempts", type=int, default=1)
+    p.add_argument("--slow-answers", type=float, default=0.0)
     p.add_argument("--codec", default="none")
     p.add_argument("--transport", choices=["p2p", "tcp"], default="p2p")
     args = p.parse_args()
@@ -68,6 +86,8 @@ def main() -> None:
 
     if args.die_after_parts is not None:
         die_mid_allreduce(args.die_after_parts)
+    if args.slow_answers:
+        slow_answers(args.slow_answers)
     dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
     av = ExactAverager(make_tensors(args.index), dht, start=False, prefix="avgtest", min_matchmaking_time=5.0,

@@ -21,9 +21,9 @@ SCRIPT = Path(__file__).with_name("averager_peer.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", transport="p2p"):
+def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", transport="p2p", slow=0.0):
     cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out), "--attempts", str(attempts), "--codec", codec,
-           "--transport", transport]
+           "--transport", transport, "--slow-answers", str(slow)]
     if initial:
         cmd += ["--initial", *initial]
     if die is not None:
@@ -33,8 +33,8 @@ def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", 
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
 
 
-def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p"):
-    procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec, transport=transport)]
+def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p", slow=0.0):
+    procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec, transport=transport, slow=slow)]
     try:
         line = procs[0].stdout.readline()
         assert line.startswith("MADDRS"), line
@@ -90,6 +90,22 @@ def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap, codec, t
         assert r["group_size"] == n
         # butterfly all-reduce: a peer sends (N-1)/N of the (encoded) payload to the other reducers and, as a
         # reducer, returns the average of its own slice to the N-1 others: 2(N-1)/N in all, and the same received.
+        for measured in (r["bytes_sent"], r["bytes_received"]):
+            assert abs(measured - expected_bytes) < 0.1 * expected_bytes, (measured, expected_bytes)
+
+
+def test_slow_answers_are_all_delivered_and_counted(tmp_path, reap):
+    """Peer 0, as a reducer, hands each averaged part over 50 ms late, so its own outputs (from the fast others)
+    are complete while its answers to them are still streaming. Before ExactAllReduceRunner.wait_served such a
+    peer returned early: its bytes_sent came out short (CI: 607 kB of 721 kB), and when it then shut down the
+    others lost their last parts and failed (this test failed 3 runs of 3 without the fix). Now it stays until
+    every sender has been answered."""
+    n = 3
+    results = _run(tmp_path, n, reap, attempts=1, slow=0.05)
+    assert all(r["ok"] for r in results.values()), results
+    assert len({r["digest"] for r in results.values()}) == 1
+    expected_bytes = 2 * (n - 1) / n * sum(get_codec("none").payload_bytes(torch.Size(s).numel()) for s in SHAPES)
+    for r in results.values():
         for measured in (r["bytes_sent"], r["bytes_received"]):
             assert abs(measured - expected_bytes) < 0.1 * expected_bytes, (measured, expected_bytes)
 
