@@ -1,4 +1,4 @@
-"""``p2p-diloco``: one console entry with subcommands (``join``, ``swarm``).
+"""``p2p-diloco``: one console entry with subcommands (``join``, ``swarm``, ``bootstrap``, ``eval``, ``export``).
 
 Every kind of bad input ends the same way: one line on stderr, exit code 2, no traceback, within seconds.
 """
@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from .errors import UsageError
+from .errors import SwarmError, UsageError
 
 EXIT_USAGE = 2
 ENV_INITIAL_PEERS = "P2P_DILOCO_INITIAL_PEERS"
@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"multiaddrs of live peers (also from ${ENV_INITIAL_PEERS}); none = new swarm")
     join.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on")
     join.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to advertise")
+    join.add_argument("--identity-path", metavar="FILE",
+                      help="RSA identity file: the same peer id across restarts (created if missing)")
     join.add_argument("--data-seed", type=int, help="this peer's data order (default: from its peer id)")
     join.add_argument("--checkpoint-dir", help="save a checkpoint here at round boundaries (keeps the last k)")
     join.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
@@ -71,6 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     swarm.add_argument("--debug-step-delay", type=float, nargs="+", metavar="SECONDS",
                        help="test only: sleep after every inner step; one value for all peers, or one per peer")
     _add_config_args(swarm)
+    boot = sub.add_parser("bootstrap", help="run a DHT-only node (no training) that others join through")
+    boot.add_argument("--host-maddrs", nargs="+", metavar="MADDR", default=["/ip4/0.0.0.0/tcp/0"],
+                      help="addresses to listen on (default: every interface, any free port)")
+    boot.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", default=[],
+                      help="public addresses to advertise (behind port forwarding)")
+    boot.add_argument("--identity-path", metavar="FILE",
+                      help="RSA identity file: the same peer id across restarts (created if missing)")
+    boot.add_argument("--initial-peers", nargs="+", metavar="MADDR", default=[],
+                      help="other bootstrap nodes to connect to (optional)")
+    boot.add_argument("--startup-timeout", type=float, default=30.0, metavar="SECONDS",
+                      help="how long p2pd may take to start")
     for name, text in (("eval", "eval loss and perplexity of a checkpoint's global weights"),
                        ("export", "write a checkpoint's global weights as a Hugging Face model + tokenizer")):
         cmd = sub.add_parser(name, help=text)
@@ -110,6 +123,8 @@ def load_join_config(args: argparse.Namespace):
         peers = os.environ[ENV_INITIAL_PEERS].split()
     if peers is not None:
         flags["swarm"]["initial_peers"] = peers
+    if getattr(args, "identity_path", None) is not None:
+        flags["swarm"]["identity_path"] = args.identity_path
     for name in ("host_maddrs", "announce_maddrs"):
         if getattr(args, name, None) is not None:
             flags["swarm"][name] = getattr(args, name)
@@ -180,6 +195,31 @@ def cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    """Run a DHT-only node until SIGINT/SIGTERM; print the line others join with."""
+    from .swarm.bootstrap import BootstrapNode
+
+    if args.startup_timeout <= 0:
+        raise UsageError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
+    node = BootstrapNode([validate_maddr(m, need_peer_id=False) for m in args.host_maddrs],
+                         [validate_maddr(m, need_peer_id=False) for m in args.announce_maddrs],
+                         args.identity_path, args.startup_timeout,
+                         [validate_maddr(m, need_peer_id=True) for m in args.initial_peers])
+    stop = threading.Event()
+    _install_stop_handlers(stop)
+    node.start()
+    try:
+        _install_stop_handlers(stop)
+        print(f"p2p-diloco join --initial-peers {' '.join(node.visible_maddrs())}", flush=True)
+        logging.getLogger("p2p_diloco").info("bootstrap node %s up; Ctrl-C to stop", node.peer_id)
+        while not stop.wait(1.0):
+            if not node.dht.is_alive():
+                raise SwarmError("the DHT process of the bootstrap node died")
+    finally:
+        node.shutdown()
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from .export import evaluate_trained, load_trained
 
@@ -223,8 +263,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "join":
             return cmd_join(args)
-        if args.command in ("eval", "export"):
-            return {"eval": cmd_eval, "export": cmd_export}[args.command](args)
+        if args.command in ("eval", "export", "bootstrap"):
+            return {"eval": cmd_eval, "export": cmd_export, "bootstrap": cmd_bootstrap}[args.command](args)
         from .launcher import cmd_swarm
 
         return cmd_swarm(args)

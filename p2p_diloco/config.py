@@ -136,6 +136,9 @@ class SwarmConfig:
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
     announce_maddrs: list[str] = field(default_factory=list)
     initial_peers: list[str] = field(default_factory=list)
+    # RSA key file (hivemind's format) that fixes this peer's id across restarts; created if missing.
+    # Empty: a fresh identity per run. The same key signs the peer's DHT records (swarm/identity.py).
+    identity_path: str = ""
     startup_timeout: float = 30.0  # p2pd start
     min_peers: int = 1  # before the first round, wait (up to min_peers_timeout) until this many peers are live
     min_peers_timeout: float = 120.0
@@ -146,6 +149,10 @@ class SwarmConfig:
     allreduce_timeout: float = 60.0
     next_chunk_timeout: float = 10.0
     round_timeout: float = 600.0  # give up waiting for stragglers of one round after this long
+    # "adaptive": the straggler wait, the all-reduce timeout and the matchmaking window follow observed times
+    # (deadlines.py); the three constants above are their caps. "fixed": the constants themselves.
+    deadlines: str = "adaptive"
+    straggler_floor: float = 30.0  # an adaptive straggler wait is never shorter than this
     state_timeout: float = 60.0  # downloading state from a donor
     part_size_bytes: int = 2**20
     transport: str = "tcp"  # all-reduce bytes: "tcp" = direct sockets (fast, unencrypted), "p2p" = libp2p streams
@@ -172,6 +179,8 @@ class DebugConfig:
     sync_delay: float = 0.0  # seconds slept before the first all-reduce attempt of round ``sync_delay_round``
     sync_delay_round: int = 0  # (holds the others back so that a test can kill a peer waiting in matchmaking)
     step_delay: float = 0.0  # seconds slept after every inner step: a slow peer for tests and benchmarks
+    stall: float = 0.0  # seconds slept before the inner steps of round ``stall_round`` (a stuck but live peer)
+    stall_round: int = 0
 
 
 @dataclass
@@ -305,6 +314,9 @@ def validate(cfg: Config) -> None:
         "swarm.allreduce_timeout": cfg.swarm.allreduce_timeout,
         "swarm.peer_ttl": cfg.swarm.peer_ttl,
         "swarm.heartbeat_period": cfg.swarm.heartbeat_period,
+        "swarm.round_timeout": cfg.swarm.round_timeout,
+        "swarm.straggler_floor": cfg.swarm.straggler_floor,
+        "swarm.next_chunk_timeout": cfg.swarm.next_chunk_timeout,
         "checkpoint.keep": cfg.checkpoint.keep,
         "checkpoint.every_rounds": cfg.checkpoint.every_rounds,
     }
@@ -337,6 +349,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("swarm.peer_ttl must be larger than swarm.heartbeat_period")
     if cfg.swarm.transport not in ("tcp", "p2p"):
         raise ConfigError(f"swarm.transport must be tcp or p2p, got {cfg.swarm.transport!r}")
+    if cfg.swarm.deadlines not in ("adaptive", "fixed"):
+        raise ConfigError(f"swarm.deadlines must be adaptive or fixed, got {cfg.swarm.deadlines!r}")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
     if cfg.round.mode not in ("fixed_steps", "swarm_target"):
@@ -346,6 +360,8 @@ def validate(cfg: Config) -> None:
     if cfg.round.mode == "swarm_target" and cfg.outer.overlap:
         raise ConfigError("round.mode = swarm_target does not work with outer.overlap yet")
     d = cfg.debug
-    if min(d.part_delay, d.state_delay, d.corrupt_theta_at_round, d.sync_delay, d.sync_delay_round, d.step_delay) < 0:
+    if min(d.part_delay, d.state_delay, d.corrupt_theta_at_round, d.sync_delay, d.sync_delay_round, d.step_delay,
+           d.stall, d.stall_round) < 0:
         raise ConfigError("debug.part_delay, debug.state_delay, debug.sync_delay, debug.sync_delay_round, "
-                          "debug.step_delay and debug.corrupt_theta_at_round must be >= 0")
+                          "debug.step_delay, debug.stall, debug.stall_round and debug.corrupt_theta_at_round "
+                          "must be >= 0")

@@ -24,13 +24,15 @@ from .cli import write_json_atomic
 from .metrics import read_events
 from .processes import kill_group, wait_group_gone
 
-JOIN_LINE = re.compile(r"^p2p-diloco join --initial-peers (?P<maddrs>.+?) --run-id (?P<run_id>\S+)\s*$")
+# A peer prints it with its run id; a bootstrap node (no run of its own) without.
+JOIN_LINE = re.compile(r"^p2p-diloco join --initial-peers (?P<maddrs>.+?)(?: --run-id (?P<run_id>\S+))?\s*$")
 STARTUP_TIMEOUT = 120.0
 STOP_GRACE = 40.0
 
 
-def parse_join_line(line: str) -> tuple[list[str], str] | None:
-    """``(maddrs, run_id)`` from the line a peer prints on start, or None if ``line`` is not one."""
+def parse_join_line(line: str) -> tuple[list[str], str | None] | None:
+    """``(maddrs, run_id)`` from the line a peer (or, with run_id None, a bootstrap node) prints on start, or None
+    if ``line`` is not one."""
     m = JOIN_LINE.match(line.strip())
     return (m.group("maddrs").split(), m.group("run_id")) if m else None
 

@@ -38,6 +38,7 @@ from . import outer as outer_mod
 from .checkpoint import CheckpointStore, PeerState, capture_rng, restore_rng
 from .config import Config
 from .data import PackedStream, eval_batches
+from .deadlines import Deadlines, StragglerWait
 from .errors import RoundFailed
 from .inner import InnerTrainer, evaluate, resolve_device
 from .metrics import Metrics
@@ -96,6 +97,7 @@ class Peer(Recovery, OverlappedRounds):
         self.eval_last: float | None = None
         self._last_group_size = 1
         self._tokens_per_s = 0.0  # our training speed in the last round (swarm_target progress records)
+        self.deadlines = Deadlines(cfg.swarm)
         self._at_boundary = True  # no inner step since theta(self.round) was set: a consistent checkpoint point
         log.info("model: %d parameters, fingerprint %s", count_parameters(self.model), cfg.fingerprint())
 
@@ -191,6 +193,8 @@ class Peer(Recovery, OverlappedRounds):
         step_tokens = self.data.tokens_per_batch * self.cfg.train.grad_accum
         records: dict[str, dict] = {}
         lr_step, next_read = r * H, t0
+        if self.cfg.debug.stall_round == r + 1:
+            self.stop.wait(self.cfg.debug.stall)  # tests only: a training stall while our records stay live
         while not self.stop.is_set():
             if not by_target and k >= H:
                 break
@@ -229,7 +233,7 @@ class Peer(Recovery, OverlappedRounds):
 
     def _sync(self, r: int, delta: list[torch.Tensor], tokens: int) -> bool:
         """Average ``delta`` in place with round ``r``'s peers. False if we fell behind or repaired instead."""
-        deadline = time.monotonic() + self.cfg.swarm.round_timeout
+        wait = StragglerWait(self.deadlines, time.monotonic())  # then round-mates still training are left out
         attempt = 0
         self.swarm.publish(phase="sync")  # our pseudo-gradient for round r is ready
         while not self.stop.is_set():
@@ -241,7 +245,13 @@ class Peer(Recovery, OverlappedRounds):
             if good is not None:
                 self._repair(r, good, peers)
                 return False
-            ready = ("sync",) if time.monotonic() > deadline else ("train", "sync")
+            late = sorted(pid for pid, p in peers.items() if p.get("round") == r and p.get("phase") == "train")
+            ready, give_up = wait.phases(late, time.monotonic())
+            if give_up:
+                waited = time.monotonic() - wait.started
+                log.warning("round %d: leaving out %d round-mate(s) still training after %.1f s", r + 1, len(late),
+                            waited)
+                self.metrics.event("stragglers_dropped", r + 1, peers=late, waited_s=round(waited, 2))
             mates = sorted(pid for pid, p in peers.items() if p.get("round") == r and p.get("phase") in ready)
             if self.cfg.outer.overlap and any(peers[m].get("phase") != "sync" for m in mates):
                 # Overlapped peers start syncing as soon as their inner steps end, at different moments: matching
@@ -258,24 +268,47 @@ class Peer(Recovery, OverlappedRounds):
                 self._last_group_size = 1
                 return True
             attempt += 1
-            if self._all_reduce(r, delta, tokens, len(mates) + 1, attempt):
+            # with round-mates still training, an attempt that expects them ends at the straggler deadline
+            give_up_at = wait.deadline if late and ready != ("sync",) else None
+            if self._all_reduce(r, delta, tokens, len(mates) + 1, attempt, all_in=not late, give_up_at=give_up_at):
+                wait.averaged(time.monotonic())
                 return True
         return False
 
-    def _all_reduce(self, r: int, delta: list[torch.Tensor], tokens: int, group_size: int, attempt: int) -> bool:
+    def _all_reduce(self, r: int, delta: list[torch.Tensor], tokens: int, group_size: int, attempt: int,
+                    all_in: bool = True, give_up_at: float | None = None) -> bool:
+        """One all-reduce attempt. ``all_in``: no round-mate was still training, so a failure to assemble the
+        group says the matchmaking window is too short for this swarm (it then grows; see deadlines.py).
+        ``give_up_at``: stop matchmaking at this ``time.monotonic()`` (the straggler deadline)."""
         self.swarm.publish(phase="sync")
-        self.metrics.event("allreduce_start", r + 1, expected_group_size=group_size, attempt=attempt)
+        self.metrics.event("allreduce_start", r + 1, expected_group_size=group_size, attempt=attempt,
+                           **self.deadlines.snapshot())
         self.metrics.status(f"round {r + 1} all-reduce: matchmaking with {group_size} peers (attempt {attempt})")
         if attempt == 1 and self.cfg.debug.sync_delay_round == r + 1:
             self.stop.wait(self.cfg.debug.sync_delay)  # fault tests only (debug.sync_delay)
         gather = {"round": r, "digest": self.digest, "tokens": tokens}
+        running = []
+
+        def on_running() -> None:
+            running.append(True)
+            self.metrics.event("allreduce_running", r + 1, attempt=attempt)
+
+        def should_stop() -> bool:  # once the group is assembled, only a stop request ends the attempt
+            return self.stop.is_set() or (give_up_at is not None and not running and time.monotonic() > give_up_at)
         try:
             result = self.swarm.all_reduce(
-                r, delta, tokens, group_size, gather, should_stop=self.stop.is_set,
-                on_running=lambda: self.metrics.event("allreduce_running", r + 1, attempt=attempt))
+                r, delta, tokens, group_size, gather, should_stop=should_stop, on_running=on_running,
+                matchmaking_time=self.deadlines.get("matchmaking"), allreduce_timeout=self.deadlines.get("allreduce"))
         except RoundFailed as e:
             self.metrics.event("allreduce_failed", r + 1, reason=str(e), attempt=attempt)
+            if running:
+                self.deadlines.allreduce.backoff()
+            elif all_in and not self.stop.is_set():
+                self.deadlines.matchmaking.backoff()
             return False
+        if all_in:  # otherwise assembling included waiting for round-mates' inner steps
+            self.deadlines.matchmaking.observe(result.assembly_seconds)
+        self.deadlines.allreduce.observe(result.seconds - result.assembly_seconds)
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
         self._last_group_size = result.group_size

@@ -5,7 +5,8 @@ whole run (creating and destroying averagers on one DHT kills the DHT within a f
 It offers the round protocol exactly the operations it needs:
 
 * publish this peer's live record (round, digest, phase, progress) every ``heartbeat_period`` seconds, with a
-  ``peer_ttl`` expiration, so that every peer can see who is live, in which round, and with which digest;
+  ``peer_ttl`` expiration, so that every peer can see who is live, in which round, and with which digest
+  (records are signed with the peer's identity key, which is also its libp2p identity: see identity.py);
 * check that peers already in the run use the same model/tokenizer/outer config;
 * all-reduce a list of tensors with exactly ``group_size`` peers of the same round, all-or-nothing;
 * download (round, theta, momentum) from the live peer in the highest round.
@@ -31,6 +32,7 @@ from ..config import Config
 from ..errors import ConfigMismatch, RoundFailed, SwarmError
 from .averager import ExactAverager
 from .compression import compression_for
+from .identity import Identity, OwnedRecordsValidator, records_by_owner
 from .fastpath import listen_socket
 from ..codecs import get_codec
 from ..processes import keep_freed_memory, reap_children
@@ -46,6 +48,7 @@ class AllReduceResult:
     bytes_received: int
     seconds: float
     gathered: dict[str, Any]
+    assembly_seconds: float = 0.0  # of ``seconds``: matchmaking, until the group was assembled
 
 
 def _one_line(e: BaseException) -> str:
@@ -101,19 +104,25 @@ class Swarm:
         # reaches only the main process, which then shuts them down in order (see shutdown()).
         keep_freed_memory()  # before the forks: the averager's data plane gains most (see processes.py)
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.identity = Identity(self.sc.identity_path or None)
         try:
             self.dht = hivemind.DHT(
                 initial_peers=self.sc.initial_peers or None, start=True, host_maddrs=self.sc.host_maddrs,
                 announce_maddrs=self.sc.announce_maddrs or None, startup_timeout=self.sc.startup_timeout,
-                await_ready=True,
+                await_ready=True, identity_path=self.identity.path, check_if_identity_free=not self.identity.fresh,
+                record_validators=[self.identity.validator,
+                                   OwnedRecordsValidator([f"{self.run_id}.live", f"{self.run_id}.config"])],
             )
         except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
             reap_children(timeout=5.0)
             raise SwarmError(f"could not start or join the swarm: {_one_line(e)}") from None
         finally:
             signal.signal(signal.SIGINT, previous)
+            self.identity.close()  # p2pd has read it
         self.peer_id = self.dht.peer_id.to_base58()
         try:
+            if self.peer_id != self.identity.peer_id:  # our records are signed with the identity p2pd must use
+                raise SwarmError(f"p2pd runs as {self.peer_id}, not as our identity {self.identity.peer_id}")
             self.check_config()
             self._start_averager()
             self._publish_config()
@@ -194,12 +203,12 @@ class Swarm:
             self._record.update(fields)
             record = dict(self._record, t=time.time())
         expiration = get_dht_time() + (ttl or self.sc.peer_ttl)
-        self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.peer_id)
+        self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.identity.subkey())
 
     def _publish_config(self) -> None:
         expiration = get_dht_time() + 5 * self.sc.peer_ttl
         self._dht_call("store", f"{self.run_id}.config", self.cfg.fingerprint_fields(), expiration,
-                       subkey=self.peer_id)
+                       subkey=self.identity.subkey())
 
     def _heartbeat_loop(self) -> None:
         beats = 0
@@ -213,11 +222,11 @@ class Swarm:
                 log.warning("heartbeat failed: %r", e)
 
     def _read_dict(self, key: str, with_expiration: bool = False) -> dict[str, Any]:
-        found = self._dht_call("get", key, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        return {str(sub): (item.value, item.expiration_time) if with_expiration else item.value
-                for sub, item in found.value.items() if isinstance(item.value, dict)}
+        """``{peer_id: record}`` of a shared key: only signed records whose key belongs to the peer id they name
+        (see identity.py); anything else (forged, unsigned, not a dict) is ignored."""
+        found = records_by_owner(self._dht_call("get", key, latest=True))
+        return {owner: (item.value, item.expiration_time) if with_expiration else item.value
+                for owner, item in found.items() if isinstance(item.value, dict)}
 
     def live_peers(self) -> dict[str, dict[str, Any]]:
         """Every other live peer of this run and config: ``{peer_id: record}``.
@@ -257,28 +266,40 @@ class Swarm:
     # ---------------------------------------------------------------------------------------------- averaging
     def all_reduce(self, round_: int, tensors: Sequence[torch.Tensor], weight: float, group_size: int,
                    gather: dict[str, Any], should_stop: Callable[[], bool] = lambda: False,
-                   on_running: Callable[[], None] = lambda: None) -> AllReduceResult:
+                   on_running: Callable[[], None] = lambda: None, matchmaking_time: float | None = None,
+                   allreduce_timeout: float | None = None) -> AllReduceResult:
         """Average ``tensors`` (weighted) with exactly ``group_size`` peers of round ``round_``, in place.
 
         On success every member holds bit-identical averages. On any failure raises :class:`RoundFailed` and
         leaves ``tensors`` untouched, so the caller cannot apply a partial result by mistake. ``should_stop`` is
         polled: a stop request cancels the step (the others see our part go missing and redo the round without
         us). ``on_running`` is called once the group is assembled and the tensors start to flow.
+        ``matchmaking_time`` and ``allreduce_timeout`` override the ``[swarm]`` constants for this attempt
+        (adaptive deadlines, see deadlines.py).
         """
         if weight <= 0:
             raise ValueError("all-reduce weight must be > 0")  # all-zero weights give NaN everywhere
-        self.averager.set_round_params(_round_bits(round_), group_size, timeout=30)
+        matchmaking_time = matchmaking_time or self.sc.matchmaking_time
+        allreduce_timeout = allreduce_timeout or self.sc.allreduce_timeout
+        self.averager.set_round_params(_round_bits(round_), group_size, timeout=30,
+                                       matchmaking_time=matchmaking_time, allreduce_timeout=allreduce_timeout)
         with self.averager.get_tensors() as buffers:
             for buf, t in zip(buffers, tensors, strict=True):
                 buf.copy_(t)
-        look = 2 * self.sc.matchmaking_time
+        look = 2 * matchmaking_time
         t0 = time.monotonic()
+        assembled = [0.0]
+
+        def running() -> None:
+            assembled[0] = time.monotonic() - t0
+            on_running()
+
         if self.data_address and self._p2p_only_round != round_:
             gather = dict(gather, data=self.data_address)
         control = self.averager.step(gather=gather, weight=float(weight), timeout=look, allow_retries=False,
                                      wait=False)
         try:
-            result = self._wait_step(control, t0 + look + self.sc.allreduce_timeout + 10, should_stop, on_running)
+            result = self._wait_step(control, t0 + look + allreduce_timeout + 10, should_stop, running)
         except BaseException as e:
             if not control.done():
                 control.cancel()
@@ -297,7 +318,7 @@ class Swarm:
                 t.copy_(buf)
         gathered = {pid.to_base58(): data for pid, data in result["gathered"].items()}
         return AllReduceResult(result["group_size"], result.get("bytes_sent", 0), result.get("bytes_received", 0),
-                               time.monotonic() - t0, gathered)
+                               time.monotonic() - t0, gathered, assembled[0])
 
     @staticmethod
     def _wait_step(control, deadline: float, should_stop: Callable[[], bool], on_running: Callable[[], None]):

@@ -314,22 +314,32 @@ class ExactAverager(DecentralizedAverager):
             logger.warning(f"all-reduce done, but {runner._to_serve - runner._served} sender(s) not fully answered")
         self._last_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received}
 
-    async def _set_round_params(self, group_bits: str, group_size: int, future):
-        """Executed in the averager process: key this round's matchmaking and require exactly ``group_size``."""
+    async def _set_round_params(self, group_bits: str, group_size: int, future, matchmaking_time=None,
+                                allreduce_timeout=None):
+        """Executed in the averager process: key this round's matchmaking, require exactly ``group_size``, and
+        take this attempt's deadlines (adaptive deadlines change them between attempts)."""
         try:
             mm = self._matchmaking
             mm.group_key_manager.group_bits = group_bits
             mm.group_key_manager.target_group_size = group_size
             mm.target_group_size = mm.min_group_size = group_size
             mm.potential_leaders.target_group_size = group_size
+            if matchmaking_time is not None:
+                mm.min_matchmaking_time = mm.potential_leaders.min_matchmaking_time = matchmaking_time
+            if allreduce_timeout is not None:
+                self._allreduce_timeout = allreduce_timeout
             future.set_result(None)
         except Exception as e:  # report to the host instead of killing the averager's loop
             future.set_exception(e)
 
-    def set_round_params(self, group_bits: str, group_size: int, timeout: float) -> None:
+    def set_round_params(self, group_bits: str, group_size: int, timeout: float, matchmaking_time: float | None = None,
+                         allreduce_timeout: float | None = None) -> None:
+        if matchmaking_time is not None:  # the host side schedules the step with it (DecentralizedAverager.step)
+            self.matchmaking_kwargs["min_matchmaking_time"] = matchmaking_time
         future = MPFuture()
         self._outer_pipe.send(("_set_round_params", [], dict(group_bits=group_bits, group_size=group_size,
-                                                              future=future)))
+                                                              future=future, matchmaking_time=matchmaking_time,
+                                                              allreduce_timeout=allreduce_timeout)))
         future.result(timeout=timeout)
 
 
