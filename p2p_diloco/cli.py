@@ -1,4 +1,5 @@
-"""``p2p-diloco``: one console entry with subcommands (``join``, ``swarm``, ``bootstrap``, ``eval``, ``export``).
+"""``p2p-diloco``: one console entry with subcommands (``join``, ``swarm``, ``bootstrap``, ``status``,
+``eval``, ``export``).
 
 Every kind of bad input ends the same way: one line on stderr, exit code 2, no traceback, within seconds.
 """
@@ -57,13 +58,26 @@ def build_parser() -> argparse.ArgumentParser:
     join = sub.add_parser("join", help="run one peer: start a new swarm or join one")
     join.add_argument("--initial-peers", nargs="+", metavar="MADDR",
                       help=f"multiaddrs of live peers (also from ${ENV_INITIAL_PEERS}); none = new swarm")
-    join.add_argument("--host-maddrs", nargs="+", metavar="MADDR", help="addresses to listen on")
-    join.add_argument("--announce-maddrs", nargs="+", metavar="MADDR", help="addresses to advertise")
+    join.add_argument("--host-maddrs", nargs="+", metavar="MADDR",
+                      help="addresses to listen on (default: every interface, any free port)")
+    join.add_argument("--announce-maddrs", nargs="+", metavar="MADDR",
+                      help="public addresses to advertise (behind port forwarding)")
+    join.add_argument("--client-mode", action="store_true", default=None,
+                      help="accept no inbound connections (behind NAT): still contributes its pseudo-gradient")
+    join.add_argument("--use-relay", action=argparse.BooleanOptionalAction, default=None,
+                      help="libp2p circuit relay (default: on)")
+    join.add_argument("--use-auto-relay", action=argparse.BooleanOptionalAction, default=None,
+                      help="find relays and advertise relayed addresses (peers behind NAT; default: off)")
+    join.add_argument("--startup-timeout", type=float, metavar="SECONDS",
+                      help="how long p2pd may take to start and reach the initial peers (default 30)")
     join.add_argument("--identity-path", metavar="FILE",
                       help="RSA identity file: the same peer id across restarts (created if missing)")
     join.add_argument("--data-seed", type=int, help="this peer's data order (default: from its peer id)")
     join.add_argument("--checkpoint-dir", help="save a checkpoint here at round boundaries (keeps the last k)")
     join.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    join.add_argument("--metrics", nargs="+", default=["jsonl"], metavar="SINK",
+                      help="jsonl (events.jsonl, default), tensorboard, wandb (offline unless WANDB_MODE): "
+                           "any of them, under --log-dir")
     join.add_argument("--debug-step-delay", type=float, metavar="SECONDS",
                       help="test only: sleep this long after every inner step (a slow peer)")
     _add_config_args(join)
@@ -84,6 +98,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="other bootstrap nodes to connect to (optional)")
     boot.add_argument("--startup-timeout", type=float, default=30.0, metavar="SECONDS",
                       help="how long p2pd may take to start")
+    status = sub.add_parser("status", help="show the live peers of a run, from their signed DHT records")
+    status.add_argument("--initial-peers", nargs="+", metavar="MADDR",
+                        help=f"multiaddrs of live peers or a bootstrap node (also from ${ENV_INITIAL_PEERS})")
+    status.add_argument("--run-id", help="the run to show (default: the default config's run id)")
+    status.add_argument("--json", action="store_true", help='print {"peers": [...], ...} as one JSON object')
+    status.add_argument("--watch", nargs="?", type=float, const=5.0, metavar="SECONDS",
+                        help="refresh every SECONDS (default 5) until Ctrl-C")
+    status.add_argument("--startup-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="how long p2pd may take to start")
     for name, text in (("eval", "eval loss and perplexity of a checkpoint's global weights"),
                        ("export", "write a checkpoint's global weights as a Hugging Face model + tokenizer")):
         cmd = sub.add_parser(name, help=text)
@@ -123,8 +146,9 @@ def load_join_config(args: argparse.Namespace):
         peers = os.environ[ENV_INITIAL_PEERS].split()
     if peers is not None:
         flags["swarm"]["initial_peers"] = peers
-    if getattr(args, "identity_path", None) is not None:
-        flags["swarm"]["identity_path"] = args.identity_path
+    for name in ("identity_path", "client_mode", "use_relay", "use_auto_relay", "startup_timeout"):
+        if getattr(args, name, None) is not None:
+            flags["swarm"][name] = getattr(args, name)
     for name in ("host_maddrs", "announce_maddrs"):
         if getattr(args, name, None) is not None:
             flags["swarm"][name] = getattr(args, name)
@@ -132,6 +156,8 @@ def load_join_config(args: argparse.Namespace):
     cfg.swarm.initial_peers = [validate_maddr(m, need_peer_id=True) for m in cfg.swarm.initial_peers]
     cfg.swarm.host_maddrs = [validate_maddr(m, need_peer_id=False) for m in cfg.swarm.host_maddrs]
     cfg.swarm.announce_maddrs = [validate_maddr(m, need_peer_id=False) for m in cfg.swarm.announce_maddrs]
+    if cfg.swarm.client_mode and not cfg.swarm.initial_peers:
+        raise UsageError("--client-mode needs --initial-peers: a peer nobody can reach cannot start a swarm")
     return cfg
 
 
@@ -144,7 +170,7 @@ def write_json_atomic(path: str | Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def _install_stop_handlers(stop: threading.Event) -> None:
+def _install_stop_handlers(stop: threading.Event, quiet: bool = False) -> None:
     """First SIGINT/SIGTERM: stop at the next safe point. Second: interrupt now (cleanup still runs).
 
     hivemind forks the DHT and averager processes from this one, and a fork inherits these handlers: in a child
@@ -159,8 +185,9 @@ def _install_stop_handlers(stop: threading.Event) -> None:
             return
         if stop.is_set():
             raise KeyboardInterrupt
-        logging.getLogger("p2p_diloco").warning("received %s: stopping after the current step",
-                                                signal.Signals(signum).name)
+        if not quiet:
+            logging.getLogger("p2p_diloco").warning("received %s: stopping after the current step",
+                                                    signal.Signals(signum).name)
         stop.set()
 
     signal.signal(signal.SIGINT, handler)
@@ -168,6 +195,9 @@ def _install_stop_handlers(stop: threading.Event) -> None:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from .metric_sinks import FanOut, TensorBoardSink, WandbSink, check_sinks
+
+    check_sinks(args.metrics, args.log_dir)
     cfg = load_join_config(args)
     from .metrics import EventLog
     from .peer import Peer
@@ -175,15 +205,24 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     _install_stop_handlers(stop)
-    metrics = EventLog(None)
+    log = EventLog(None)
+    metrics = FanOut([log])
 
     def on_started(swarm) -> None:
         _install_stop_handlers(stop)  # hivemind set SIGINT to SIG_IGN when the averager started
         _STDERR_HANDLER.setLevel(logging.INFO)  # until now only errors: bad input must give a one-line error
-        print(f"p2p-diloco join --initial-peers {' '.join(swarm.visible_maddrs())} --run-id {cfg.run.run_id}",
-              flush=True)
-        if args.log_dir:
-            metrics.set_dir(Path(args.log_dir) / swarm.peer_id)
+        # a client-mode peer is reachable at no address: it hands on the entry points it joined through
+        maddrs = cfg.swarm.initial_peers if cfg.swarm.client_mode else swarm.visible_maddrs()
+        print(f"p2p-diloco join --initial-peers {' '.join(maddrs)} --run-id {cfg.run.run_id}", flush=True)
+        if cfg.swarm.client_mode:
+            logging.getLogger("p2p_diloco").info("client mode: peer id %s, no inbound connections", swarm.peer_id)
+        if args.log_dir:  # each sink under DIR/<peer id>/ (the peer id is known only now)
+            peer_dir = Path(args.log_dir) / swarm.peer_id
+            log.set_dir(peer_dir, events="jsonl" in args.metrics)
+            if "tensorboard" in args.metrics:
+                metrics.add(TensorBoardSink(peer_dir / "tensorboard"))
+            if "wandb" in args.metrics:
+                metrics.add(WandbSink(peer_dir, cfg.run.run_id, swarm.peer_id, cfg.to_dict()))
 
     try:
         summary = Peer(cfg, metrics, Swarm, stop=stop, on_started=on_started).run()
@@ -218,6 +257,37 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     finally:
         node.shutdown()
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the run's live peers once, or every ``--watch`` seconds until SIGINT/SIGTERM."""
+    from .config import Config
+    from .swarm.status import StatusClient
+    from .swarm_view import format_view, swarm_view
+
+    peers = args.initial_peers or os.environ.get(ENV_INITIAL_PEERS, "").split()
+    if not peers:
+        raise UsageError(f"--initial-peers (or ${ENV_INITIAL_PEERS}) is required: the swarm to look at")
+    peers = [validate_maddr(m, need_peer_id=True) for m in peers]
+    if args.watch is not None and args.watch <= 0:
+        raise UsageError(f"--watch must be > 0 seconds, got {args.watch}")
+    if args.startup_timeout <= 0:
+        raise UsageError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
+    run_id = args.run_id or Config().run.run_id
+    stop = threading.Event()
+    _install_stop_handlers(stop, quiet=True)
+    client = StatusClient(peers, run_id, args.startup_timeout)
+    try:
+        _install_stop_handlers(stop, quiet=True)
+        while True:
+            view = swarm_view(run_id, client.read_live_records())
+            print(json.dumps(view) if args.json else format_view(view), flush=True)
+            if args.watch is None or stop.wait(args.watch):
+                return 0
+            if not args.json:
+                print(flush=True)
+    finally:
+        client.shutdown()
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -258,13 +328,17 @@ def _setup_logging(level: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # hivemind's own INFO lines (e.g. "Checking that identity ... is not used") would break the one-line error
+    # rule; its warnings and errors still show. Read once, when hivemind is first imported.
+    os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
     args = build_parser().parse_args(argv)
     _setup_logging(logging.WARNING if args.command == "join" else logging.INFO)
     try:
         if args.command == "join":
             return cmd_join(args)
-        if args.command in ("eval", "export", "bootstrap"):
-            return {"eval": cmd_eval, "export": cmd_export, "bootstrap": cmd_bootstrap}[args.command](args)
+        commands = {"eval": cmd_eval, "export": cmd_export, "bootstrap": cmd_bootstrap, "status": cmd_status}
+        if args.command in commands:
+            return commands[args.command](args)
         from .launcher import cmd_swarm
 
         return cmd_swarm(args)

@@ -133,13 +133,18 @@ class EvalConfig:
 class SwarmConfig:
     """Networking and timeouts. Every wait in the round protocol is bounded by one of these."""
 
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])  # every interface
     announce_maddrs: list[str] = field(default_factory=list)
     initial_peers: list[str] = field(default_factory=list)
     # RSA key file (hivemind's format) that fixes this peer's id across restarts; created if missing.
     # Empty: a fresh identity per run. The same key signs the peer's DHT records (swarm/identity.py).
     identity_path: str = ""
     startup_timeout: float = 30.0  # p2pd start
+    # No inbound connections (behind NAT): the peer dials out only, reduces no slice, serves no state, and
+    # still contributes its pseudo-gradient. Its DHT node stores nothing for others.
+    client_mode: bool = False
+    use_relay: bool = True  # libp2p circuit relay: reach (and be reached through) relaying peers
+    use_auto_relay: bool = False  # look for relays and advertise addresses through them (peers behind NAT)
     min_peers: int = 1  # before the first round, wait (up to min_peers_timeout) until this many peers are live
     min_peers_timeout: float = 120.0
     heartbeat_period: float = 1.0  # how often a peer refreshes its live record
@@ -317,6 +322,7 @@ def validate(cfg: Config) -> None:
         "swarm.round_timeout": cfg.swarm.round_timeout,
         "swarm.straggler_floor": cfg.swarm.straggler_floor,
         "swarm.next_chunk_timeout": cfg.swarm.next_chunk_timeout,
+        "swarm.startup_timeout": cfg.swarm.startup_timeout,
         "checkpoint.keep": cfg.checkpoint.keep,
         "checkpoint.every_rounds": cfg.checkpoint.every_rounds,
     }

@@ -48,7 +48,8 @@ def pick_donors(peers: dict[str, dict[str, Any]], round_: int, rng: random.Rando
     random order (spreads the download load; a dead donor is simply skipped by the caller)."""
     at = synced(peers, round_)
     digest = majority_digest(p.get("digest", "") for p in at.values())
-    donors = sorted(pid for pid, p in at.items() if p.get("digest") == digest)
+    # a client-mode peer accepts no inbound connection: it votes, but nobody can download from it
+    donors = sorted(pid for pid, p in at.items() if p.get("digest") == digest and not p.get("client"))
     (rng or random).shuffle(donors)
     return digest, donors
 

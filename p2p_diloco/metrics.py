@@ -50,12 +50,13 @@ class EventLog(Metrics):
         if log_dir is not None:
             self.set_dir(log_dir)
 
-    def set_dir(self, log_dir: str | Path) -> None:
-        """Start writing ``events.jsonl`` and ``peer.log`` into ``log_dir`` (created if needed)."""
+    def set_dir(self, log_dir: str | Path, events: bool = True) -> None:
+        """Start writing ``events.jsonl`` (unless ``events`` is False) and ``peer.log`` into ``log_dir``."""
         path = Path(log_dir)
         path.mkdir(parents=True, exist_ok=True)
-        with self._lock:
-            self._events = open(path / "events.jsonl", "a", buffering=1)
+        if events:
+            with self._lock:
+                self._events = open(path / "events.jsonl", "a", buffering=1)
         handler = logging.FileHandler(path / "peer.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logging.getLogger().addHandler(handler)

@@ -93,6 +93,7 @@ class Peer(Recovery, OverlappedRounds):
         self._state_lock = threading.Lock()  # guards theta/momentum/round against the state-sharing thread
         self.swarm = swarm_factory(cfg, self.theta, self._state_for_donation)
         self.tokens_trained = self.bytes_sent = self.bytes_received = self.rounds_participated = 0
+        self.inner_steps_done = 0
         self.eval_first: float | None = None
         self.eval_last: float | None = None
         self._last_group_size = 1
@@ -212,15 +213,18 @@ class Peer(Recovery, OverlappedRounds):
             self._at_boundary = False
             loss, n = self.trainer.step(lr_step if by_target else r * H + k - 1)
             tokens += n
-            self.swarm.update(inner_step=k, tokens=self.tokens_trained + tokens, round_tokens=tokens)
-            if k % PROGRESS_EVERY == 0 or k == H:
-                self.metrics.event("inner_progress", r + 1, inner_step=k, loss=round(loss, 4))
             rate = tokens / max(time.monotonic() - t0, 1e-9)
+            self.swarm.update(inner_step=k, tokens=self.tokens_trained + tokens, round_tokens=tokens,
+                              **({} if by_target else {"tokens_per_s": round(rate, 1)}))  # (else: progress records)
+            if k % PROGRESS_EVERY == 0 or k == H:
+                self.metrics.event("inner_progress", r + 1, inner_step=k, loss=round(loss, 4),
+                                   global_step=self.inner_steps_done + k)  # this peer's steps so far
             self.metrics.status(f"round {r + 1} inner_step {k}{'' if by_target else f'/{H}'} loss {loss:.3f} "
                                 f"{rate:,.0f} tok/s")
             if self.cfg.debug.step_delay:
                 self.stop.wait(self.cfg.debug.step_delay)  # tests and benchmarks only: a slow peer
         self.tokens_trained += tokens
+        self.inner_steps_done += k
         self.metrics.event("inner_done", r + 1, inner_steps=k, tokens=tokens, seconds=round(time.monotonic() - t0, 3))
         return tokens, k
 
@@ -312,6 +316,7 @@ class Peer(Recovery, OverlappedRounds):
         self.bytes_sent += result.bytes_sent
         self.bytes_received += result.bytes_received
         self._last_group_size = result.group_size
+        self.swarm.update(last_sync=round(time.time(), 1))  # for `p2p-diloco status`
         self._check_group(r, result.gathered)
         self.metrics.event("allreduce_done", r + 1, group_size=result.group_size, bytes_sent=result.bytes_sent,
                            bytes_received=result.bytes_received, seconds=round(result.seconds, 3))
@@ -395,29 +400,3 @@ class Peer(Recovery, OverlappedRounds):
                 log.warning("DHT did not answer; retrying")
                 if self.stop.wait(1.0):
                     raise
-
-    def _wait_for_peers(self) -> None:
-        """Hold the first round until ``swarm.min_peers`` peers are live and ready to train (their data is built:
-        that can take a while), so that they all start it together and all take part in it."""
-        want, deadline = self.cfg.swarm.min_peers - 1, time.monotonic() + self.cfg.swarm.min_peers_timeout
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            seen = sum(1 for p in self._live_peers().values() if p.get("ready"))
-            if seen >= want:
-                return
-            self.metrics.status(f"waiting for peers: {seen + 1}/{want + 1} ready")
-            self.stop.wait(min(0.25, self.cfg.swarm.heartbeat_period))  # they all start within a short window
-        if not self.stop.is_set():
-            log.warning("only %d of %d peers live after %.0fs; starting anyway", len(self._live_peers()) + 1,
-                        want + 1, self.cfg.swarm.min_peers_timeout)
-
-    def _linger_for_stragglers(self) -> None:
-        """Stay a state donor for a while so a peer that missed the last round can still catch up."""
-        self.swarm.publish(phase="done", round=self.round, digest=self.digest)
-        deadline = time.monotonic() + self.cfg.swarm.state_timeout
-        while time.monotonic() < deadline and not self.stop.is_set():
-            behind = [pid for pid, p in self._live_peers().items()
-                      if p.get("phase") in ("join", "train", "sync") and p.get("round", -1) < self.round]
-            if not behind:
-                return
-            self.metrics.status(f"finished round {self.round}; waiting for {len(behind)} peer(s) to catch up")
-            self.stop.wait(self.cfg.swarm.heartbeat_period)

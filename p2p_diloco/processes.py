@@ -41,14 +41,32 @@ def keep_freed_memory() -> bool:
         return False
 
 
-def reap_children(timeout: float = 5.0) -> None:
-    """Terminate, then kill, every descendant of this process that is still running.
+def descendants() -> set[int]:
+    """Pids of every descendant of this process now."""
+    try:
+        return {c.pid for c in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def reap_children(timeout: float = 5.0, only: set[int] | None = None) -> None:
+    """Terminate, then kill, every descendant of this process that is still running (with ``only``: just those
+    pids and their own descendants, so that processes other parts started, e.g. a W&B service, are left alone).
 
     torch's ``torch_shm_manager`` is spared: it deletes the shared-memory files of our tensors (hivemind uses the
     file_system sharing strategy) once this process exits, and killing it first leaks them in /dev/shm.
     """
     try:
         children = [c for c in psutil.Process().children(recursive=True) if not c.name().startswith("torch_shm")]
+        if only is not None:
+            targets = set(only)
+            for c in children:
+                if c.pid in only:
+                    try:
+                        targets |= {d.pid for d in c.children(recursive=True)}
+                    except psutil.Error:
+                        pass
+            children = [c for c in children if c.pid in targets]
     except psutil.Error:
         return
     for child in children:

@@ -1,5 +1,5 @@
 """Recovery half of the round protocol: taking the swarm's state (joining, falling behind, repairing a corrupt
-theta) and deciding that a peer is really alone. A mixin of :class:`p2p_diloco.peer.Peer`, kept apart so that
+theta), deciding that a peer is really alone, and waiting for the others at the start and end of a run. A mixin of :class:`p2p_diloco.peer.Peer`, kept apart so that
 each file stays readable; it uses the peer's ``cfg``, ``swarm``, ``metrics``, ``stop``, ``outer``/``theta``,
 ``round``/``digest`` (under ``_state_lock``) and ``_boundary()``.
 
@@ -22,7 +22,7 @@ log = logging.getLogger("p2p_diloco.peer")
 
 
 class Recovery:
-    """State download, catch-up, desync repair and the lone-peer check (see the module docstring)."""
+    """State download, catch-up, desync repair, the lone-peer check, the start and end waits (module docstring)."""
 
     def _confirm_alone(self, r: int) -> bool:
         """Before a solo step, make sure the others are really gone and not just missing from one DHT read.
@@ -132,3 +132,29 @@ class Recovery:
             self.metrics.event("state_loaded", self.round, from_peer=donor, digest=self.digest)
             return True
         return False
+
+    def _wait_for_peers(self) -> None:
+        """Hold the first round until ``swarm.min_peers`` peers are live and ready to train (their data is built:
+        that can take a while), so that they all start it together and all take part in it."""
+        want, deadline = self.cfg.swarm.min_peers - 1, time.monotonic() + self.cfg.swarm.min_peers_timeout
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            seen = sum(1 for p in self._live_peers().values() if p.get("ready"))
+            if seen >= want:
+                return
+            self.metrics.status(f"waiting for peers: {seen + 1}/{want + 1} ready")
+            self.stop.wait(min(0.25, self.cfg.swarm.heartbeat_period))  # they all start within a short window
+        if not self.stop.is_set():
+            log.warning("only %d of %d peers live after %.0fs; starting anyway", len(self._live_peers()) + 1,
+                        want + 1, self.cfg.swarm.min_peers_timeout)
+
+    def _linger_for_stragglers(self) -> None:
+        """Stay a state donor for a while so a peer that missed the last round can still catch up."""
+        self.swarm.publish(phase="done", round=self.round, digest=self.digest)
+        deadline = time.monotonic() + self.cfg.swarm.state_timeout
+        while time.monotonic() < deadline and not self.stop.is_set():
+            behind = [pid for pid, p in self._live_peers().items()
+                      if p.get("phase") in ("join", "train", "sync") and p.get("round", -1) < self.round]
+            if not behind:
+                return
+            self.metrics.status(f"finished round {self.round}; waiting for {len(behind)} peer(s) to catch up")
+            self.stop.wait(self.cfg.swarm.heartbeat_period)

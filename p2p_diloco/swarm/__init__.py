@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 
 import hivemind
 import torch
+from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from ..config import Config
@@ -35,7 +36,7 @@ from .compression import compression_for
 from .identity import Identity, OwnedRecordsValidator, records_by_owner
 from .fastpath import listen_socket
 from ..codecs import get_codec
-from ..processes import keep_freed_memory, reap_children
+from ..processes import descendants, keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
 DHT_CALL_TIMEOUT = 15.0
@@ -87,7 +88,8 @@ class Swarm:
         self._buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in tensors_like]
         self._state_provider = state_provider
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe for concurrent callers
-        self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": "join"}
+        self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": "join",
+                                        "client": self.sc.client_mode}
         self._record_lock = threading.Lock()
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
@@ -96,6 +98,7 @@ class Swarm:
         self._p2p_only_round = -1
         self._seen: dict[str, tuple[dict, float]] = {}  # live records read so far, with their DHT expiration
         self.averager: ExactAverager | None = None
+        self._owned: set[int] | None = None  # our processes (None until started: then every child is ours)
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -103,6 +106,7 @@ class Swarm:
         # Children forked from here (DHT, averager) and the p2pd they exec ignore SIGINT, so Ctrl-C in a terminal
         # reaches only the main process, which then shuts them down in order (see shutdown()).
         keep_freed_memory()  # before the forks: the averager's data plane gains most (see processes.py)
+        before = descendants()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.identity = Identity(self.sc.identity_path or None)
         try:
@@ -110,6 +114,7 @@ class Swarm:
                 initial_peers=self.sc.initial_peers or None, start=True, host_maddrs=self.sc.host_maddrs,
                 announce_maddrs=self.sc.announce_maddrs or None, startup_timeout=self.sc.startup_timeout,
                 await_ready=True, identity_path=self.identity.path, check_if_identity_free=not self.identity.fresh,
+                client_mode=self.sc.client_mode, use_relay=self.sc.use_relay, use_auto_relay=self.sc.use_auto_relay,
                 record_validators=[self.identity.validator,
                                    OwnedRecordsValidator([f"{self.run_id}.live", f"{self.run_id}.config"])],
             )
@@ -125,6 +130,7 @@ class Swarm:
                 raise SwarmError(f"p2pd runs as {self.peer_id}, not as our identity {self.identity.peer_id}")
             self.check_config()
             self._start_averager()
+            self._owned = descendants() - before  # DHT, averager, p2pd: what shutdown() stops
             self._publish_config()
             self.publish(phase="join")
         except BaseException:
@@ -141,14 +147,15 @@ class Swarm:
             request_timeout=self.sc.request_timeout, allreduce_timeout=self.sc.allreduce_timeout,
             next_chunk_timeout=self.sc.next_chunk_timeout, part_size_bytes=self.sc.part_size_bytes,
             compression=compression, declare_state_period=max(5.0, self.sc.peer_ttl), shutdown_timeout=5,
+            client_mode=self.sc.client_mode,
         )
         self.averager.state_provider = self._state_provider
         self.averager.part_delay = self.cfg.debug.part_delay  # copied into the averager process when it forks
         self.averager.state_delay = self.cfg.debug.state_delay
         self.averager.codec = get_codec(self.cfg.outer.compression)
         self.data_address = None
-        if self.sc.transport == "tcp":
-            self.averager.data_socket, self.data_address = self._open_data_plane()
+        if self.sc.transport == "tcp" and not self.sc.client_mode:  # a client cannot accept data connections:
+            self.averager.data_socket, self.data_address = self._open_data_plane()  # its groups use libp2p
         self.averager.run_in_background(await_ready=True, timeout=self.sc.startup_timeout)
 
     def _open_data_plane(self):
@@ -183,7 +190,7 @@ class Swarm:
                 log.debug("shutdown of %s failed: %r", type(part).__name__, e)
         if self.averager is not None and self.averager.data_socket is not None:
             self.averager.data_socket.close()  # our copy; the averager process had its own
-        reap_children(timeout=5.0)
+        reap_children(timeout=5.0, only=self._owned)
 
     # ------------------------------------------------------------------------------------------------- records
     def _dht_call(self, method: str, *args, **kwargs):
@@ -305,6 +312,7 @@ class Swarm:
                 control.cancel()
             if isinstance(e, KeyboardInterrupt):
                 raise
+            self._wait_step_finished(control, timeout=look + allreduce_timeout)
             if "cannot connect to member" in str(e) and self._p2p_only_round != round_:
                 # A member's data port is unreachable (NAT, firewall): the rest of this round goes through libp2p.
                 # One member without a data address is enough for the whole group to choose libp2p.
@@ -319,6 +327,22 @@ class Swarm:
         gathered = {pid.to_base58(): data for pid, data in result["gathered"].items()}
         return AllReduceResult(result["group_size"], result.get("bytes_sent", 0), result.get("bytes_received", 0),
                                time.monotonic() - t0, gathered, assembled[0])
+
+    @staticmethod
+    def _wait_step_finished(control, timeout: float) -> None:
+        """Wait until the averager process is really done with a cancelled or failed step.
+
+        Cancelling only flags the step; the averager notices between its own awaits. Until then the step's
+        matchmaking is alive, and the next attempt's ``set_round_params`` (a smaller group) would retarget it. In
+        one CI run a round-mate applied a pair average with us while our host had cancelled that attempt and our
+        retry then found no group (we caught up by downloading the state); the events fit exactly this window,
+        which this wait closes.
+        """
+        deadline = time.monotonic() + timeout
+        while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if control.stage != AveragingStage.FINISHED:
+            log.warning("a cancelled all-reduce step did not finish within %.0f s", timeout)
 
     @staticmethod
     def _wait_step(control, deadline: float, should_stop: Callable[[], bool], on_running: Callable[[], None]):
@@ -338,8 +362,9 @@ class Swarm:
                 continue
 
     def set_donor_round(self, round_: int) -> None:
-        """Peers downloading state prefer the donor in the highest round."""
-        self.averager.state_sharing_priority = float(round_)
+        """Peers downloading state prefer the donor in the highest round (a client-mode peer serves no state)."""
+        if not self.sc.client_mode:
+            self.averager.state_sharing_priority = float(round_)
 
     def download_state(self, peer_id: str) -> tuple[dict, list[torch.Tensor]]:
         """Download ``(metadata, tensors)`` from the given live peer; raises :class:`RoundFailed` on any failure

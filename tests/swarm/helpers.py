@@ -23,12 +23,15 @@ FAST = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000",
 class Proc:
     """A `python -m p2p_diloco ...` subprocess with its stdout collected by a thread."""
 
-    def __init__(self, args: list[str], tag: str, cwd: Path | None = None):
+    def __init__(self, args: list[str], tag: str, cwd: Path | None = None, prefix: list[str] | None = None):
+        if args[:1] == ["join"] and "--host-maddrs" not in args:  # a peer listens on every interface by default
+            args = ["join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args[1:]]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{TAG_VAR: tag})
         env.pop("P2P_DILOCO_INITIAL_PEERS", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "p2p_diloco", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-                                     stdin=subprocess.DEVNULL, cwd=cwd)
+        # prefix: e.g. ``ip netns exec NS`` (it execs the command, so the pid and process group stay ours)
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "p2p_diloco", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True, stdin=subprocess.DEVNULL, cwd=cwd)
         self.lines: list[str] = []
         self.err_lines: list[str] = []
         self.joined = threading.Event()

@@ -1,13 +1,17 @@
-"""``p2p-diloco bootstrap``: a DHT-only node with a stable peer id that peers join through; ``--identity-path``."""
+"""``p2p-diloco bootstrap``: a DHT-only node with a stable peer id that peers join through; ``--identity-path``;
+``p2p-diloco status`` reading the peers' signed records through it."""
 
 import signal
 
 import pytest
 
-from tests.swarm.helpers import FAULT, Proc, events_of, load_json
+import json
+
+from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_event
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
 LOCAL = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0"]
+ROUNDS = 4
 
 
 def _bootstrap(tag, identity):
@@ -20,16 +24,37 @@ def test_peers_join_through_a_bootstrap_node_that_keeps_its_id(tmp_path, reap):
     identity = tmp_path / "boot.key"
     boot = _bootstrap(reap, identity)
     boot_id = boot.peer_id
-    peers = [Proc(["join", "--initial-peers", *boot.join_maddrs, *LOCAL, "--run-id", "t-boot", "--max-rounds", "2",
-                   "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / f"p{i}.json"),
-                   "--set", "swarm.min_peers=2", *FAULT], reap) for i in range(2)]
+    twin = Proc(["bootstrap", *LOCAL, "--identity-path", str(identity), "--initial-peers", *boot.join_maddrs], reap)
+    assert twin.wait(60) == 2  # the same identity while it is live: refused
+    err = [line for line in twin.err_lines if line.strip()]
+    assert len(err) == 1 and "is already taken by another peer" in err[0], err
+    sinks = [["jsonl", "tensorboard"], ["jsonl", "wandb"]]  # every sink, in a real run
+    peers = [Proc(["join", "--initial-peers", *boot.join_maddrs, *LOCAL, "--run-id", "t-boot", "--max-rounds",
+                   str(ROUNDS), "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / f"p{i}.json"),
+                   "--set", "swarm.min_peers=2", "--metrics", *sinks[i], *FAULT], reap) for i in range(2)]
+    for p in peers:
+        p.wait_joined()
+    ids = {p.peer_id for p in peers}
+    # `p2p-diloco status` through the bootstrap node, while the peers train (after their first round)
+    wait_for_event(tmp_path / peers[0].peer_id / "events.jsonl", lambda e: e["event"] == "allreduce_done", 120,
+                   peers[0])
+    status = Proc(["status", "--initial-peers", *boot.join_maddrs, "--run-id", "t-boot", "--json"], reap)
+    assert status.wait(60) == 0, status.stderr_tail()
+    view = json.loads(status.lines[-1])
+    assert {p["peer_id"] for p in view["peers"]} == ids, view
+    for p in view["peers"]:
+        assert p["round"] >= 1 and p["digest"] and p["digest_agrees"] is True and p["client_mode"] is False, p
+        assert p["last_sync"] is not None and p["tokens_per_s"] and p["tokens_per_s"] > 0, p
+    assert view["all_digests_agree"] is True
     for p in peers:
         assert p.wait(180) == 0, p.stderr_tail()
     summaries = [load_json(tmp_path / f"p{i}.json") for i in range(2)]
     assert len({s["global_digest"] for s in summaries}) == 1
     for p in peers:
         groups = [e["group_size"] for e in events_of(tmp_path, p) if e["event"] == "allreduce_done"]
-        assert groups == [2, 2], groups
+        assert groups == [2] * ROUNDS, groups
+    assert list((tmp_path / peers[0].peer_id / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((tmp_path / peers[1].peer_id / "wandb").glob("offline-run-*/*.wandb"))
     boot.signal(signal.SIGTERM)
     assert boot.wait(30) == 0, boot.stderr_tail()
     again = _bootstrap(reap, identity)  # same identity file: same peer id

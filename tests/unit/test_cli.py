@@ -31,6 +31,13 @@ def run_cli(*args, env=None):
     (["join", "--debug-step-delay", "-1"], "debug.step_delay"),
     (["join", "--set", "round.mode=fast"], "round.mode must be fixed_steps or swarm_target"),
     (["join", "--set", "round.mode=swarm_target", "--set", "outer.overlap=true"], "does not work with outer.overlap"),
+    (["join", "--client-mode"], "--client-mode needs --initial-peers"),
+    (["join", "--startup-timeout", "0"], "swarm.startup_timeout must be > 0"),
+    (["join", "--identity-path", "/nonexistent-dir/id.key", "--max-rounds", "1"], "cannot create identity file"),
+    (["join", "--set", "swarm.deadlines=sometimes"], "swarm.deadlines must be adaptive or fixed"),
+    (["status"], "--initial-peers (or $P2P_DILOCO_INITIAL_PEERS) is required"),
+    (["status", "--initial-peers", "/ip4/127.0.0.1/tcp/5"], "must end with /p2p/<peer id>"),
+    (["status", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{PEER}", "--watch", "0"], "--watch must be > 0"),
     (["eval"], "the following arguments are required: --checkpoint"),
     (["export", "--checkpoint", "/nonexistent"], "the following arguments are required: --out"),
     (["eval", "--checkpoint", "/nonexistent/ckpt"], "checkpoint not found"),
@@ -59,6 +66,9 @@ def test_join_line_round_trip():
     maddrs, run_id = parse_join_line(line)
     assert run_id == "my-run" and len(maddrs) == 2 and maddrs[0].endswith(PEER)
     assert parse_join_line("something else") is None
+    # a bootstrap node prints the same line without a run id
+    maddrs, run_id = parse_join_line(f"p2p-diloco join --initial-peers /ip4/127.0.0.1/tcp/4001/p2p/{PEER}\n")
+    assert run_id is None and maddrs == [f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"]
 
 
 def test_table_marks_missing_values():

@@ -77,6 +77,8 @@ def test_every_peer_profile_references_loadable_configs():
     assert profiles
     for f in profiles:
         subprocess.run(["bash", "-n", str(f)], check=True)
+        for command in re.findall(r"exec p2p-diloco (\w+)", f.read_text()):
+            assert command in ("join", "bootstrap"), (f, command)
         for ref in re.findall(r"configs/[\w.-]+\.toml", f.read_text()):
             load_config(ROOT / ref)
 

@@ -32,3 +32,21 @@ def test_keep_freed_memory_serves_large_blocks_from_the_reusable_heap(mode, mmap
     out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == mmapped
+
+
+def test_reap_children_can_be_limited_to_the_processes_a_part_started():
+    import subprocess
+    import sys
+
+    from p2p_diloco.processes import descendants, reap_children
+
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # e.g. a W&B service
+    try:
+        assert {ours.pid, other.pid} <= descendants()
+        reap_children(timeout=5.0, only={ours.pid})
+        assert ours.wait(timeout=5) is not None
+        assert other.poll() is None  # left alone
+    finally:
+        other.kill()
+        other.wait()
