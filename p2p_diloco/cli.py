@@ -52,9 +52,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--summary-json", help="write the end-of-run summary to this JSON file")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="p2p-diloco", description="Coordinator-free DiLoCo training over hivemind.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _add_join_parser(sub) -> None:
     join = sub.add_parser("join", help="run one peer: start a new swarm or join one")
     join.add_argument("--initial-peers", nargs="+", metavar="MADDR",
                       help=f"multiaddrs of live peers (also from ${ENV_INITIAL_PEERS}); none = new swarm")
@@ -81,12 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--debug-step-delay", type=float, metavar="SECONDS",
                       help="test only: sleep this long after every inner step (a slow peer)")
     _add_config_args(join)
-    swarm = sub.add_parser("swarm", help="run N peers on 127.0.0.1, each a separate join process")
-    swarm.add_argument("--peers", type=int, required=True, help="number of peers")
-    swarm.add_argument("--data-seed", type=int, help="peer i reads data order S+i (default: from each peer id)")
-    swarm.add_argument("--debug-step-delay", type=float, nargs="+", metavar="SECONDS",
-                       help="test only: sleep after every inner step; one value for all peers, or one per peer")
-    _add_config_args(swarm)
+
+
+def _add_network_parsers(sub) -> None:
+    """``bootstrap`` and ``status``: DHT nodes that do not train."""
     boot = sub.add_parser("bootstrap", help="run a DHT-only node (no training) that others join through")
     boot.add_argument("--host-maddrs", nargs="+", metavar="MADDR", default=["/ip4/0.0.0.0/tcp/0"],
                       help="addresses to listen on (default: every interface, any free port)")
@@ -107,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="refresh every SECONDS (default 5) until Ctrl-C")
     status.add_argument("--startup-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="how long p2pd may take to start")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="p2p-diloco", description="Coordinator-free DiLoCo training over hivemind.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_join_parser(sub)
+    swarm = sub.add_parser("swarm", help="run N peers on 127.0.0.1, each a separate join process")
+    swarm.add_argument("--peers", type=int, required=True, help="number of peers")
+    swarm.add_argument("--data-seed", type=int, help="peer i reads data order S+i (default: from each peer id)")
+    swarm.add_argument("--debug-step-delay", type=float, nargs="+", metavar="SECONDS",
+                       help="test only: sleep after every inner step; one value for all peers, or one per peer")
+    _add_config_args(swarm)
+    _add_network_parsers(sub)
     for name, text in (("eval", "eval loss and perplexity of a checkpoint's global weights"),
                        ("export", "write a checkpoint's global weights as a Hugging Face model + tokenizer")):
         cmd = sub.add_parser(name, help=text)

@@ -1,11 +1,11 @@
 """``p2p-diloco bootstrap``: a DHT-only node with a stable peer id that peers join through; ``--identity-path``;
 ``p2p-diloco status`` reading the peers' signed records through it."""
 
+import json
 import signal
+import time
 
 import pytest
-
-import json
 
 from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_event
 
@@ -55,6 +55,14 @@ def test_peers_join_through_a_bootstrap_node_that_keeps_its_id(tmp_path, reap):
         assert groups == [2] * ROUNDS, groups
     assert list((tmp_path / peers[0].peer_id / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / peers[1].peer_id / "wandb").glob("offline-run-*/*.wandb"))
+    # --watch refreshes until SIGINT (the peers are gone by now: an empty table each time)
+    watch = Proc(["status", "--initial-peers", *boot.join_maddrs, "--run-id", "t-boot", "--watch", "0.5"], reap)
+    deadline = time.monotonic() + 60
+    while sum("live peer(s)" in line for line in watch.lines) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    watch.signal(signal.SIGINT)
+    assert watch.wait(30) == 0, watch.stderr_tail()
+    assert sum("run t-boot: 0 live peer(s)" in line for line in watch.lines) >= 2, watch.lines
     boot.signal(signal.SIGTERM)
     assert boot.wait(30) == 0, boot.stderr_tail()
     again = _bootstrap(reap, identity)  # same identity file: same peer id

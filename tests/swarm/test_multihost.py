@@ -70,8 +70,13 @@ def test_peers_on_three_hosts_join_through_a_bootstrap_node(tmp_path, reap, lan)
     assert len({s["global_digest"] for s in summaries.values()}) == 1, summaries
     for host, s in summaries.items():
         events = read_events(tmp_path / s["peer_id"] / "events.jsonl")
-        groups = [e["group_size"] for e in events if e["event"] == "allreduce_done"]
-        assert groups == [3] * ROUNDS, (host, groups)  # the client-mode peer is in every group
-    assert summaries["nat"]["rounds_participated"] == ROUNDS and summaries["nat"]["bytes_sent"] > 0
+        groups = {e["round"]: e["group_size"] for e in events if e["event"] == "allreduce_done"}
+        assert set(groups.values()) == {3}, (host, groups)  # the client-mode peer is in every group formed
+        # a member can abort a round the other two applied (README "Not guaranteed", seen once in CI); it must then
+        # have taken their state: every round is accounted for
+        caught_up = {e["round"] for e in events if e["event"] == "state_loaded"}
+        assert set(range(1, ROUNDS + 1)) <= set(groups) | caught_up, (host, groups, caught_up)
+    # the client-mode peer averaged in at least every round but one (the one it might have aborted)
+    assert summaries["nat"]["rounds_participated"] >= ROUNDS - 1 and summaries["nat"]["bytes_sent"] > 0
     print(json.dumps({h: {k: s[k] for k in ("rounds_participated", "bytes_sent", "bytes_received")}
                       for h, s in summaries.items()}))
