@@ -297,12 +297,15 @@ class Peer(Recovery, OverlappedRounds):
             running.append(True)
             self.metrics.event("allreduce_running", r + 1, attempt=attempt)
 
-        def should_stop() -> bool:  # once the group is assembled, only a stop request ends the attempt
-            return self.stop.is_set() or (give_up_at is not None and not running and time.monotonic() > give_up_at)
+        # Matchmaking that expects a round-mate still training ends at the straggler deadline (or after the
+        # matchmaking window, if that is later) by hivemind's own step timeout. Cancelling the step instead is worse: a step cancelled just as a round-mate's retry took it
+        # into a smaller group leaves that round-mate waiting for our parts (measured: 10 s and a lost round).
+        look = None if give_up_at is None else max(0.5, give_up_at - time.monotonic())
         try:
             result = self.swarm.all_reduce(
-                r, delta, tokens, group_size, gather, should_stop=should_stop, on_running=on_running,
-                matchmaking_time=self.deadlines.get("matchmaking"), allreduce_timeout=self.deadlines.get("allreduce"))
+                r, delta, tokens, group_size, gather, should_stop=self.stop.is_set, on_running=on_running,
+                matchmaking_time=self.deadlines.get("matchmaking"), allreduce_timeout=self.deadlines.get("allreduce"),
+                matchmaking_timeout=look)
         except RoundFailed as e:
             self.metrics.event("allreduce_failed", r + 1, reason=str(e), attempt=attempt)
             if running:

@@ -274,7 +274,8 @@ class Swarm:
     def all_reduce(self, round_: int, tensors: Sequence[torch.Tensor], weight: float, group_size: int,
                    gather: dict[str, Any], should_stop: Callable[[], bool] = lambda: False,
                    on_running: Callable[[], None] = lambda: None, matchmaking_time: float | None = None,
-                   allreduce_timeout: float | None = None) -> AllReduceResult:
+                   allreduce_timeout: float | None = None, matchmaking_timeout: float | None = None
+                   ) -> AllReduceResult:
         """Average ``tensors`` (weighted) with exactly ``group_size`` peers of round ``round_``, in place.
 
         On success every member holds bit-identical averages. On any failure raises :class:`RoundFailed` and
@@ -282,7 +283,8 @@ class Swarm:
         polled: a stop request cancels the step (the others see our part go missing and redo the round without
         us). ``on_running`` is called once the group is assembled and the tensors start to flow.
         ``matchmaking_time`` and ``allreduce_timeout`` override the ``[swarm]`` constants for this attempt
-        (adaptive deadlines, see deadlines.py).
+        (adaptive deadlines, see deadlines.py); ``matchmaking_timeout`` ends the search for a group sooner than
+        the usual ``2 * matchmaking_time``.
         """
         if weight <= 0:
             raise ValueError("all-reduce weight must be > 0")  # all-zero weights give NaN everywhere
@@ -293,7 +295,8 @@ class Swarm:
         with self.averager.get_tensors() as buffers:
             for buf, t in zip(buffers, tensors, strict=True):
                 buf.copy_(t)
-        look = 2 * matchmaking_time
+        # hivemind needs the step's timeout to exceed the matchmaking window (it schedules the start after it)
+        look = max(min(2 * matchmaking_time, matchmaking_timeout or float("inf")), matchmaking_time + 0.5)
         t0 = time.monotonic()
         assembled = [0.0]
 
