@@ -2,8 +2,8 @@
 
 Peer 2 stalls for STALL seconds before the inner steps of round STALL_ROUND while its records stay live (a stuck
 data loader, a GPU hiccup). With ``swarm.deadlines = adaptive`` the other two have seen every round-mate arrive
-within a second in the earlier rounds, so they give the straggler only the floor wait and finish the round as a
-pair; the stalled peer catches up from them afterwards. The same run with ``fixed`` deadlines is the control: the
+within a second in the earlier rounds, so their straggler deadline is the floor; the attempt in flight ends at the
+matchmaking window + 0.5 s (hivemind's minimum), and they finish the round as a pair; the stalled peer catches up from them afterwards. The same run with ``fixed`` deadlines is the control: the
 others wait for the straggler (``round_timeout`` is 600 s), which shows that the test measures the wait it claims.
 """
 
