@@ -208,6 +208,15 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     check_sinks(args.metrics, args.log_dir)
     cfg = load_join_config(args)
+    from .cluster import Cluster, follow
+
+    cluster = Cluster.from_env(cfg)  # launched by torchrun with several local ranks
+    if cluster and cluster.rank != 0:  # a follower: no swarm, no output; rank 0 is the peer
+        try:
+            follow(cfg, cluster)
+        finally:
+            cluster.close()
+        return 0
     from .metrics import EventLog
     from .peer import Peer
     from .swarm import Swarm
@@ -234,9 +243,11 @@ def cmd_join(args: argparse.Namespace) -> int:
                 metrics.add(WandbSink(peer_dir, cfg.run.run_id, swarm.peer_id, cfg.to_dict()))
 
     try:
-        summary = Peer(cfg, metrics, Swarm, stop=stop, on_started=on_started).run()
+        summary = Peer(cfg, metrics, Swarm, stop=stop, on_started=on_started, cluster=cluster).run()
     finally:
         metrics.close()
+        if cluster:
+            cluster.close()
     if args.summary_json:
         write_json_atomic(args.summary_json, summary)
     logging.getLogger("p2p_diloco").info("summary: %s", json.dumps(summary))

@@ -23,6 +23,11 @@ class ConfigError(UsageError):
     """Bad configuration input (missing file, unknown key, bad value). The CLI turns it into exit code 2."""
 
 
+# Settings of the fingerprinted sections that each peer may choose for itself: how a peer lays out its own
+# ranks changes nothing that its round-mates see, so a 1-rank and an 8-rank peer must be able to average.
+LOCAL_ONLY = frozenset({"outer.sharding"})
+
+
 @dataclass
 class RunConfig:
     """Identity of the run: peers with the same ``run_id`` and fingerprint train one model together."""
@@ -89,6 +94,7 @@ class TrainConfig:
     autocast: str = "auto"  # "auto" = bf16 where the device supports it (CUDA), "bf16", "off"
     device: str = "cpu"  # "cpu", "cuda", "auto"
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
+    parallelism: str = "ddp"  # local ranks of a torchrun peer (p2p_diloco/cluster.py): ddp ("fsdp": not yet)
 
 
 @dataclass
@@ -106,6 +112,7 @@ class OuterConfig:
     nesterov: bool = True
     compression: str = "none"  # wire codec of pseudo-gradients: none | fp16 | bf16 | int8 | int4 (see codecs.py)
     overlap: bool = False  # average round r in the background while training round r+1 (outer step one round late)
+    sharding: str = "rank0"  # torchrun peer: rank 0 holds the outer state and syncs ("sharded": not yet); local
 
 
 @dataclass
@@ -210,7 +217,8 @@ class Config:
         out: dict[str, Any] = {"run.seed": self.run.seed, "round.mode": self.round.mode}
         for section in ("model", "tokenizer", "outer"):
             for key, value in dataclasses.asdict(getattr(self, section)).items():
-                out[f"{section}.{key}"] = value
+                if f"{section}.{key}" not in LOCAL_ONLY:
+                    out[f"{section}.{key}"] = value
         return out
 
     def fingerprint(self) -> str:
@@ -359,6 +367,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"swarm.deadlines must be adaptive or fixed, got {cfg.swarm.deadlines!r}")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
+    if cfg.train.parallelism != "ddp":
+        raise ConfigError(f"train.parallelism must be ddp (fsdp is not implemented yet), got {cfg.train.parallelism!r}")
+    if cfg.outer.sharding != "rank0":
+        raise ConfigError(f"outer.sharding must be rank0 (sharded is not implemented yet), got {cfg.outer.sharding!r}")
     if cfg.round.mode not in ("fixed_steps", "swarm_target"):
         raise ConfigError(f"round.mode must be fixed_steps or swarm_target, got {cfg.round.mode!r}")
     if cfg.round.target_tokens < 0 or cfg.round.progress_period <= 0:

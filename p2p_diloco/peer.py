@@ -35,7 +35,9 @@ import torch
 
 from . import consensus, progress
 from . import outer as outer_mod
-from .checkpoint import CheckpointStore, PeerState, capture_rng, restore_rng
+from .cluster import Cluster, ClusterTrainer, Leader
+from .checkpoint import CheckpointStore, PeerState
+from .peer_checkpoints import PeerCheckpoints
 from .config import Config
 from .data import PackedStream, eval_batches
 from .deadlines import Deadlines, StragglerWait
@@ -57,7 +59,7 @@ def data_seed_for(peer_id: str) -> int:
     return int(hashlib.sha256(peer_id.encode()).hexdigest()[:8], 16)
 
 
-class Peer(Recovery, OverlappedRounds):
+class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
     """A DiLoCo peer: inner training, outer step, the round protocol, fault recovery and checkpoints.
 
     Args:
@@ -66,6 +68,7 @@ class Peer(Recovery, OverlappedRounds):
         swarm_factory: ``(cfg, tensors_like, state_provider) -> Swarm``; see :mod:`p2p_diloco.swarm`.
         stop: set it (e.g. from a signal handler) to stop at the next safe point.
         on_started: called with the swarm once it is up (the CLI prints the join line from it).
+        cluster: this peer's local ranks under torchrun (we are rank 0; :mod:`p2p_diloco.cluster`), or None.
 
     Raises:
         CheckpointError: ``checkpoint.resume`` is set and the newest checkpoint is missing, corrupt or belongs
@@ -73,15 +76,17 @@ class Peer(Recovery, OverlappedRounds):
     """
 
     def __init__(self, cfg: Config, metrics: Metrics, swarm_factory: Callable[..., Any],
-                 stop: threading.Event | None = None, on_started: Callable[[Any], None] | None = None):
+                 stop: threading.Event | None = None, on_started: Callable[[Any], None] | None = None,
+                 cluster: Cluster | None = None):
         self.cfg, self.metrics, self.stop = cfg, metrics, stop or threading.Event()
+        self.cluster, self.leader = cluster, Leader(cluster) if cluster else None
         self.on_started = on_started
         self.store = CheckpointStore(cfg.checkpoint.dir, cfg.checkpoint.keep) if cfg.checkpoint.dir else None
         self.resumed: PeerState | None = self.store.load(fingerprint=cfg.fingerprint()) if (
             self.store and cfg.checkpoint.resume) else None
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
-        self.device = resolve_device(cfg.train.device)
+        self.device = cluster.device if cluster else resolve_device(cfg.train.device)
         self.tokenizer = build_tokenizer(cfg.tokenizer)
         self.model = build_model(cfg.model, vocab_size(self.tokenizer), cfg.run.seed).to(self.device)
         self.params = list(self.model.parameters())
@@ -122,6 +127,8 @@ class Peer(Recovery, OverlappedRounds):
             elif self._at_boundary:
                 self._save_checkpoint(force=True)  # stopped between rounds: keep exactly this point
         finally:
+            if self.leader:
+                self.leader.stop()  # before the swarm's shutdown, which can take a few seconds
             self.swarm.shutdown()
             if hasattr(self, "data"):
                 self.data.close()
@@ -135,9 +142,15 @@ class Peer(Recovery, OverlappedRounds):
         self.data_seed = seed
         self.data = PackedStream(self.tokenizer, self.cfg.data, seed)
         horizon = self.cfg.train.total_steps or self.cfg.run.max_rounds * self.cfg.train.inner_steps
-        self.trainer = InnerTrainer(self.model, self.cfg.train, self.data.next_batch, horizon, self.device)
+        if self.leader:
+            self.leader.start(seed)
+            self.trainer = ClusterTrainer(self.cluster, self.model, self.cfg.train, self.data.next_batch, horizon)
+        else:
+            self.trainer = InnerTrainer(self.model, self.cfg.train, self.data.next_batch, horizon, self.device)
         if self.resumed:
             self._restore(self.resumed)
+            if self.leader:
+                self.leader.state(self.trainer, self.data, self.params)
 
     def _finished(self) -> bool:
         return 0 < self.cfg.run.max_rounds <= self.round
@@ -179,6 +192,8 @@ class Peer(Recovery, OverlappedRounds):
     def _boundary(self, phase: str = "train") -> None:
         """theta(self.round) is set (outer step or download): load it, announce it, checkpoint, evaluate."""
         outer_mod.load_into(self.params, self.theta)
+        if self.leader:
+            self.leader.params(self.params)
         self._at_boundary = True
         self.swarm.publish(phase=phase, round=self.round, digest=self.digest, inner_step=0, round_tokens=0)
         self.swarm.set_donor_round(self.round)
@@ -298,8 +313,9 @@ class Peer(Recovery, OverlappedRounds):
             self.metrics.event("allreduce_running", r + 1, attempt=attempt)
 
         # Matchmaking that expects a round-mate still training ends at the straggler deadline (or after the
-        # matchmaking window, if that is later) by hivemind's own step timeout. Cancelling the step instead is worse: a step cancelled just as a round-mate's retry took it
-        # into a smaller group leaves that round-mate waiting for our parts (measured: 10 s and a lost round).
+        # matchmaking window, if that is later) by hivemind's own step timeout. Cancelling the step instead is
+        # worse: a step cancelled just as a round-mate's retry took it into a smaller group leaves that round-mate
+        # waiting for our parts (measured: 10 s and a lost round).
         look = None if give_up_at is None else max(0.5, give_up_at - time.monotonic())
         try:
             result = self.swarm.all_reduce(
@@ -334,47 +350,6 @@ class Peer(Recovery, OverlappedRounds):
         if other or any(g.get("round") != r for g in gathered.values()):
             log.error("round %d: group members started from different global weights: %s", r + 1, other)
             self.metrics.event("digest_mismatch", r + 1, ours=self.digest, theirs=other)
-
-    # ------------------------------------------------------------------------------------------- checkpoints
-    def _save_checkpoint(self, force: bool = False) -> None:
-        """Save the round-boundary state (atomic, keeps the last k); a failure is logged, never fatal."""
-        if self.store is None or getattr(self, "_saved", None) == (self.round, self.digest):
-            return
-        if not force and self.round % self.cfg.checkpoint.every_rounds:
-            return
-        extra = {"data_seed": self.data_seed, "tokens_trained": self.tokens_trained,
-                 "rounds_participated": self.rounds_participated, "bytes_sent": self.bytes_sent,
-                 "bytes_received": self.bytes_received, "eval_first": self.eval_first,
-                 "peer_id": getattr(self.swarm, "peer_id", ""), "config": self.cfg.to_dict()}
-        with self._state_lock:
-            state = PeerState(round=self.round, fingerprint=self.cfg.fingerprint(), global_digest=self.digest,
-                              theta=self.theta, momentum=self.outer.momentum_buffers,
-                              model=self.model.state_dict(), inner_optimizer=self.trainer.optimizer.state_dict(),
-                              data=self.data.state_dict(), rng=capture_rng(), extra=extra)
-            try:
-                path = self.store.save(state)
-            except OSError as e:
-                log.error("checkpoint of round %d failed (the previous one is intact): %s", self.round, e)
-                return
-        self._saved = (self.round, self.digest)
-        self.metrics.event("checkpoint_saved", self.round, path=str(path), digest=self.digest)
-
-    def _restore(self, state: PeerState) -> None:
-        """Continue exactly from a checkpoint: outer state, model, inner optimizer, data cursor, RNG, counters."""
-        with self._state_lock:
-            self.outer.load_state_tensors([*state.theta, *state.momentum])
-            self.round, self.digest = state.round, state.global_digest
-        self.model.load_state_dict(state.model)
-        self.trainer.optimizer.load_state_dict(state.inner_optimizer)
-        self.data.load_state_dict(state.data)
-        restore_rng(state.rng)
-        extra = state.extra
-        self.tokens_trained = extra.get("tokens_trained", 0)
-        self.rounds_participated = extra.get("rounds_participated", 0)
-        self.bytes_sent, self.bytes_received = extra.get("bytes_sent", 0), extra.get("bytes_received", 0)
-        self.eval_first = extra.get("eval_first")
-        self._saved = (self.round, self.digest)
-        self.metrics.event("resumed", self.round, digest=self.digest, path=str(self.store.latest()))
 
     def _debug_corrupt(self) -> None:
         """Test hook (``debug.corrupt_theta_at_round``): silently perturb theta, as a bit flip or bug would."""

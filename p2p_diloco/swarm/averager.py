@@ -62,8 +62,16 @@ class ExactAllReduceRunner(AllReduceRunner):
         register_failed_reducer = container.register_failed_reducer
 
         def on_failed_reducer(peer_index: int) -> None:
+            # hivemind calls this for any error on a reducer's stream, including one raised after that reducer
+            # had handed us every averaged part of its slice (an error code or a timeout where only the stream's
+            # end was still due). Such a failure loses nothing: aborting then made us drop a round that the
+            # reducer and the others applied. Only a part still missing makes the result partial.
+            missing = container.num_parts_by_peer[peer_index] - container._outputs_registered_by_peer[peer_index]
             register_failed_reducer(peer_index)
-            self._abort(f"reducer {self.ordered_peer_ids[peer_index]} failed")
+            if missing > 0:
+                self._abort(f"reducer {self.ordered_peer_ids[peer_index]} failed ({missing} parts missing)")
+            else:
+                logger.debug(f"reducer {self.ordered_peer_ids[peer_index]} failed after its last part: nothing lost")
 
         container.register_failed_reducer = on_failed_reducer
 

@@ -2,7 +2,7 @@
 
 Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K] [--attempts A]
                        [--codec none|fp16|bf16|int8|int4]
-                       [--slow-answers SECONDS]
+                       [--slow-answers SECONDS] [--trailing-error]
 Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
 """
 
@@ -66,6 +66,24 @@ def slow_answers(delay: float) -> None:
     ExactAllReduceRunner.rpc_aggregate_part = slow
 
 
+def trailing_error() -> None:
+    """Patch the reducer so that it ends every answer stream with an error after its last averaged part: what
+    hivemind's handler sends when something fails once all parts were answered (e.g. a sender's end of stream
+    arrives after ``sender_timeout``). The senders then hold every part of our slice."""
+    from hivemind.proto import averaging_pb2
+
+    from p2p_diloco.swarm.averager import ExactAllReduceRunner
+
+    original = ExactAllReduceRunner.rpc_aggregate_part
+
+    async def erring(self, stream, context):
+        async for msg in original(self, stream, context):
+            yield msg
+        yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+
+    ExactAllReduceRunner.rpc_aggregate_part = erring
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("index", type=int)
@@ -75,6 +93,7 @@ def main() -> None:
     p.add_argument("--die-after-parts", type=int, default=None)
     p.add_argument("--attempts", type=int, default=1)
     p.add_argument("--slow-answers", type=float, default=0.0)
+    p.add_argument("--trailing-error", action="store_true")
     p.add_argument("--codec", default="none")
     p.add_argument("--transport", choices=["p2p", "tcp"], default="p2p")
     args = p.parse_args()
@@ -88,6 +107,8 @@ def main() -> None:
         die_mid_allreduce(args.die_after_parts)
     if args.slow_answers:
         slow_answers(args.slow_answers)
+    if args.trailing_error:
+        trailing_error()
     dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
     av = ExactAverager(make_tensors(args.index), dht, start=False, prefix="avgtest", min_matchmaking_time=5.0,

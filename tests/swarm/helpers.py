@@ -23,13 +23,15 @@ FAST = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000",
 class Proc:
     """A `python -m p2p_diloco ...` subprocess with its stdout collected by a thread."""
 
-    def __init__(self, args: list[str], tag: str, cwd: Path | None = None, prefix: list[str] | None = None):
+    def __init__(self, args: list[str], tag: str, cwd: Path | None = None, prefix: list[str] | None = None,
+                 python_args: list[str] | None = None):
         if args[:1] == ["join"] and "--host-maddrs" not in args:  # a peer listens on every interface by default
             args = ["join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args[1:]]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{TAG_VAR: tag})
         env.pop("P2P_DILOCO_INITIAL_PEERS", None)
-        # prefix: e.g. ``ip netns exec NS`` (it execs the command, so the pid and process group stay ours)
-        self.proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "p2p_diloco", *args],
+        # prefix: e.g. ``ip netns exec NS`` (it execs the command, so the pid and process group stay ours);
+        # python_args: e.g. ``-m torch.distributed.run --nproc-per-node 2`` (a cluster peer; see torchrun_args)
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, *(python_args or []), "-m", "p2p_diloco", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True, stdin=subprocess.DEVNULL, cwd=cwd)
         self.lines: list[str] = []
@@ -113,18 +115,25 @@ def events_of(log_dir: Path, proc: Proc) -> list[dict]:
     return read_events(log_dir / proc.peer_id / "events.jsonl")
 
 
+def torchrun_args(ranks: int) -> list[str]:
+    """Python arguments that run ``-m p2p_diloco`` as a peer of ``ranks`` local ranks (CPU, gloo)."""
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
+
+
 def start_peers(n: int, log_dir: Path, tag: str, run_id: str, rounds: int, extra: dict[int, list[str]] | None = None,
-                min_peers: int | None = None) -> list[Proc]:
-    """``n`` join processes of one run; peer 0 starts the swarm, the rest join it; all wait for ``min_peers``."""
-    extra = extra or {}
+                min_peers: int | None = None, ranks: dict[int, int] | None = None) -> list[Proc]:
+    """``n`` join processes of one run; peer 0 starts the swarm, the rest join it; all wait for ``min_peers``.
+    ``ranks``: {peer index: local ranks} for peers launched with torchrun."""
+    extra, ranks = extra or {}, ranks or {}
     common = ["--run-id", run_id, "--max-rounds", str(rounds), "--log-dir", str(log_dir),
               "--set", f"swarm.min_peers={min_peers or n}", *FAULT]
-    first = Proc(["join", *common, "--summary-json", str(log_dir / "p0.json"), *extra.get(0, [])], tag)
+    first = Proc(["join", *common, "--summary-json", str(log_dir / "p0.json"), *extra.get(0, [])], tag,
+                 python_args=torchrun_args(ranks.get(0, 1)))
     maddrs = first.wait_joined()
     procs = [first]
     for i in range(1, n):
         procs.append(Proc(["join", "--initial-peers", *maddrs, *common, "--summary-json", str(log_dir / f"p{i}.json"),
-                           *extra.get(i, [])], tag))
+                           *extra.get(i, [])], tag, python_args=torchrun_args(ranks.get(i, 1))))
     for p in procs:
         p.wait_joined()
     return procs

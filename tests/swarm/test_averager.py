@@ -21,9 +21,9 @@ SCRIPT = Path(__file__).with_name("averager_peer.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", transport="p2p", slow=0.0):
+def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", transport="p2p", extra=()):
     cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out), "--attempts", str(attempts), "--codec", codec,
-           "--transport", transport, "--slow-answers", str(slow)]
+           "--transport", transport, *extra]
     if initial:
         cmd += ["--initial", *initial]
     if die is not None:
@@ -33,14 +33,17 @@ def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", 
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
 
 
-def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p", slow=0.0):
-    procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec, transport=transport, slow=slow)]
+def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p", extra=None):
+    """``extra``: {peer index: more averager_peer.py arguments} (the reducer-side test hooks)."""
+    extra = extra or {}
+    procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec, transport=transport,
+                    extra=extra.get(0, ()))]
     try:
         line = procs[0].stdout.readline()
         assert line.startswith("MADDRS"), line
         initial = line.split()[1:]
         procs += [_spawn(i, n, tmp_path / f"p{i}", initial, 3 if i == victim else None, tag, attempts, codec,
-                         transport) for i in range(1, n)]
+                         transport, extra.get(i, ())) for i in range(1, n)]
         deadline = time.monotonic() + timeout
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -101,13 +104,23 @@ def test_slow_answers_are_all_delivered_and_counted(tmp_path, reap):
     others lost their last parts and failed (this test failed 3 runs of 3 without the fix). Now it stays until
     every sender has been answered."""
     n = 3
-    results = _run(tmp_path, n, reap, attempts=1, slow=0.05)
+    results = _run(tmp_path, n, reap, attempts=1, extra={0: ["--slow-answers", "0.05"]})
     assert all(r["ok"] for r in results.values()), results
     assert len({r["digest"] for r in results.values()}) == 1
     expected_bytes = 2 * (n - 1) / n * sum(get_codec("none").payload_bytes(torch.Size(s).numel()) for s in SHAPES)
     for r in results.values():
         for measured in (r["bytes_sent"], r["bytes_received"]):
             assert abs(measured - expected_bytes) < 0.1 * expected_bytes, (measured, expected_bytes)
+
+
+def test_reducer_error_after_its_last_part_loses_nothing(tmp_path, reap):
+    """Peer 0, as a reducer, ends each answer stream with an error after its last averaged part, while peer 1's
+    answers come slowly, so that the others are still waiting for peer 1's slice when the error arrives. They
+    hold every part of peer 0's slice, so they must apply the round as peer 0 does; before the fix they aborted
+    ("reducer ... failed") while peer 0 applied it."""
+    results = _run(tmp_path, 3, reap, attempts=1, extra={0: ["--trailing-error"], 1: ["--slow-answers", "0.05"]})
+    assert all(r["ok"] for r in results.values()), results
+    assert len({r["digest"] for r in results.values()}) == 1
 
 
 @pytest.mark.parametrize("transport", ["p2p", "tcp"])

@@ -2,9 +2,11 @@
 
 Peer 2 stalls for STALL seconds before the inner steps of round STALL_ROUND while its records stay live (a stuck
 data loader, a GPU hiccup). With ``swarm.deadlines = adaptive`` the other two have seen every round-mate arrive
-within a second in the earlier rounds, so their straggler deadline is the floor; the attempt in flight ends at the
-matchmaking window + 0.5 s (hivemind's minimum), and they finish the round as a pair; the stalled peer catches up from them afterwards. The same run with ``fixed`` deadlines is the control: the
-others wait for the straggler (``round_timeout`` is 600 s), which shows that the test measures the wait it claims.
+within a second or so in the earlier rounds, so their straggler deadline is the floor or a little above it;
+the attempt in flight ends at the deadline or at the matchmaking window + 0.5 s (hivemind's minimum), whichever
+is later, and they finish the round as a pair; the stalled peer catches up from them afterwards. The same run
+with ``fixed`` deadlines is the control: the others wait for the straggler (``round_timeout`` is 600 s), which
+shows that the test measures the wait it claims.
 """
 
 import pytest
@@ -14,6 +16,7 @@ from tests.swarm.helpers import events_of, load_json, start_peers
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 
 STALL, STALL_ROUND, FLOOR, ROUNDS = 20.0, 4, 3.0, 5
+MATCHMAKING = 5.0  # swarm.matchmaking_time in the peers' test config
 
 
 def _wait_in(events: list[dict], r: int) -> float:
@@ -45,9 +48,11 @@ def test_stuck_straggler(tmp_path, reap, deadlines):
             continue
         assert groups[STALL_ROUND] == 2 and all(groups[r] == 3 for r in range(1, STALL_ROUND)), groups
         assert [(d["round"], len(d["peers"])) for d in dropped] == [(STALL_ROUND, 1)], dropped
-        # derived from the earlier rounds' arrival offsets (all well under a second here): the floor
-        assert all(s["straggler_s"] == FLOOR for s in starts), starts
-        assert dropped[0]["waited_s"] < FLOOR + 5, dropped
+        # Derived from the earlier rounds' arrival offsets: usually all under a second here, so the floor; on a
+        # loaded machine (CI) they can be a few seconds, and the deadline is then above the floor (one CI run).
+        # Either way it is far below the fixed cap, and the wait ended at it or at the matchmaking window + 0.5 s.
+        assert all(FLOOR <= s["straggler_s"] < STALL / 2 for s in starts), starts
+        assert dropped[0]["waited_s"] < max(starts[0]["straggler_s"], MATCHMAKING + 0.5) + 2, (dropped, starts)
         assert _wait_in(ev, STALL_ROUND) < STALL / 2
     if deadlines == "adaptive":  # the stalled peer resynced from the pair instead of averaging
         assert any(e["event"] == "state_loaded" for e in events[2])
