@@ -243,7 +243,13 @@ def cmd_join(args: argparse.Namespace) -> int:
                 metrics.add(WandbSink(peer_dir, cfg.run.run_id, swarm.peer_id, cfg.to_dict()))
 
     try:
-        summary = Peer(cfg, metrics, Swarm, stop=stop, on_started=on_started, cluster=cluster).run()
+        try:
+            peer = Peer(cfg, metrics, Swarm, stop=stop, on_started=on_started, cluster=cluster)
+        except BaseException:  # e.g. a checkpoint we cannot resume: the other ranks wait for our first command
+            if cluster:
+                cluster.stop_followers()
+            raise
+        summary = peer.run()
     finally:
         metrics.close()
         if cluster:

@@ -1,4 +1,4 @@
-"""A peer that is a cluster: K local ranks under ``torchrun`` train one replica with DDP; rank 0 alone is the peer.
+"""A peer that is a cluster: K local ranks under ``torchrun`` train one replica (DDP or FSDP2); rank 0 is the peer.
 
 Inside a peer we use torch.distributed (an existing engine); between peers, hivemind (only rank 0 imports it).
 Launch: ``torchrun --standalone --nproc-per-node K -m p2p_diloco join ...`` (``peers/8xh100.sh``).
@@ -9,22 +9,32 @@ Division of labour (``outer.sharding = "rank0"``):
   step, evaluation, checkpoints, ``--summary-json`` and the join line. Before every inner step it broadcasts a
   command, so that the decisions it takes (how many inner steps this round, the lr step, a stop) are taken once.
 * **Ranks 1..K-1 follow** (:func:`follow`): they build the same model and data stream, then obey commands:
-  ``STEP`` (one inner step, in lockstep through DDP), ``PARAMS`` (receive the global weights theta after an outer
-  step or a state download), ``STATE`` (receive the inner optimizer, data cursor and weights after a resume),
-  ``STOP``.
+  ``STEP`` (one inner step, in lockstep), ``PARAMS`` (load the global weights theta after an outer step or a
+  state download), ``STATE`` (the inner optimizer, data cursor and weights after a resume), ``GATHER`` /
+  ``OPTIM`` / ``EVAL`` (FSDP: the collectives that give rank 0 the full weights or optimizer state, or evaluate),
+  ``STOP``. Rank 0 reaches the model only through :class:`ClusterReplica`, which sends them.
 
-With DDP every rank holds the full model, and the gradients are averaged across ranks inside every step, so the
-pseudo-gradient rank 0 computes at the end of a round *is* the cluster's: there is nothing to gather. After the
-outer step rank 0 broadcasts theta. Follower ranks ignore SIGINT/SIGTERM (torchrun sends them to every rank):
-rank 0 stops at a safe point and then sends ``STOP``; a follower that left first would break rank 0's next
-collective and could cost it its last checkpoint.
+``train.parallelism``:
+
+* ``"ddp"``: every rank holds the full model and the gradients are averaged across ranks inside every step, so
+  the pseudo-gradient rank 0 computes at the end of a round *is* the cluster's: nothing to gather. After the
+  outer step rank 0 broadcasts theta.
+* ``"fsdp"`` (FSDP2 ``fully_shard``, one unit per decoder layer): each rank holds 1/K of the weights, gradients
+  and AdamW state. At the end of a round the full weights are gathered to rank 0's CPU (``GATHER``), and theta
+  goes back out with ``broadcast_from_rank0`` (``PARAMS``). Evaluation runs on every rank (``EVAL``).
+
+Both keep the outer state (theta, momentum) whole on rank 0's CPU (``outer.sharding = "rank0"``).
+
+Follower ranks ignore SIGINT/SIGTERM (torchrun sends them to every rank): rank 0 stops at a safe point and then
+sends ``STOP``; a follower that left first would break rank 0's next collective and could cost it its last
+checkpoint. If rank 0 dies, torchrun stops the other ranks.
 
 Data: every rank reads the *same* stream (the peer's data order) and trains on its own contiguous rows of each
 batch (``data.batch_size`` must divide by K). A K-rank peer therefore computes the same gradients as a 1-rank
 peer with the same batch, up to the order of float sums (tested: tests/swarm/test_cluster.py). Each rank
 tokenizes the whole stream, K times the tokenizer work of one rank, which is small next to a model's step.
 
-Not here yet: ``train.parallelism = "fsdp"`` and ``outer.sharding = "sharded"`` (see docs/scale.md).
+Not here yet: ``outer.sharding = "sharded"`` (the outer state split over the ranks; see docs/scale.md).
 """
 
 from __future__ import annotations
@@ -40,11 +50,13 @@ import torch
 import torch.distributed as dist
 
 from .config import Config, ConfigError
-from .inner import InnerTrainer
+from . import outer
+from .inner import InnerTrainer, Replica, evaluate
 
 log = logging.getLogger(__name__)
-STEP, PARAMS, STATE, STOP, INIT = 1, 2, 3, 4, 5
-NAMES = {STEP: "STEP", PARAMS: "PARAMS", STATE: "STATE", STOP: "STOP", INIT: "INIT"}
+STEP, PARAMS, STATE, STOP, INIT, GATHER, OPTIM, EVAL = 1, 2, 3, 4, 5, 6, 7, 8
+NAMES = {STEP: "STEP", PARAMS: "PARAMS", STATE: "STATE", STOP: "STOP", INIT: "INIT", GATHER: "GATHER",
+         OPTIM: "OPTIM", EVAL: "EVAL"}
 
 
 @dataclass
@@ -55,6 +67,7 @@ class Cluster:
     world: int
     local_rank: int
     device: torch.device
+    parallelism: str = "ddp"
 
     @classmethod
     def from_env(cls, cfg: Config) -> "Cluster | None":
@@ -77,7 +90,7 @@ class Cluster:
         # download), so the collective timeout must outlast the longest wait of a round.
         timeout = datetime.timedelta(seconds=max(1800.0, 3 * cfg.swarm.round_timeout))
         dist.init_process_group(backend, timeout=timeout)
-        return cls(rank, world, local_rank, device)
+        return cls(rank, world, local_rank, device, cfg.train.parallelism)
 
     # ----------------------------------------------------------------------------------------- protocol
     def send(self, op: int, arg: int = 0) -> None:
@@ -104,9 +117,19 @@ class Cluster:
 
     # ------------------------------------------------------------------------------------ training help
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """DDP over the local ranks (gradients averaged inside every inner step)."""
+        """DDP or FSDP2 over the local ranks (gradients averaged inside every inner step)."""
+        if self.parallelism == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            layers = set(getattr(model, "_no_split_modules", None) or ())  # transformers: the decoder layer class
+            for module in model.modules():
+                if type(module).__name__ in layers:
+                    fully_shard(module)
+            return fully_shard(model)
+        # The gradients are views into DDP's communication buckets: no second copy (4 bytes per parameter).
         ids = [self.local_rank] if self.device.type == "cuda" else None
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False,
+                                                         gradient_as_bucket_view=True)
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a peer batch."""
@@ -117,6 +140,13 @@ class Cluster:
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t[0]) / self.world
+
+    def stop_followers(self) -> None:
+        """Rank 0: the run is over (or failed); the followers leave their command loop."""
+        try:
+            self.send(STOP)
+        except Exception as e:  # a follower already gone (torchrun then stops the rest); nothing left to tell
+            log.warning("could not tell the other local ranks to stop: %s", e)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -133,7 +163,7 @@ def check(cfg: Config, world: int) -> None:
 
 
 class ClusterTrainer(InnerTrainer):
-    """:class:`InnerTrainer` on every rank of a cluster: a DDP model, this rank's rows of each batch; rank 0
+    """:class:`InnerTrainer` on every rank of a cluster: a DDP/FSDP model, this rank's rows of each batch; rank 0
     first tells the followers to take the same step. Returns the cluster's mean loss and total tokens."""
 
     def __init__(self, cluster: Cluster, model: torch.nn.Module, cfg, next_batch: Callable[[], torch.Tensor],
@@ -148,37 +178,94 @@ class ClusterTrainer(InnerTrainer):
         return self.cluster.mean(loss), tokens * self.cluster.world
 
 
-class Leader:
-    """Rank 0's side of the protocol, called by :class:`~p2p_diloco.peer.Peer` at the few points that matter."""
+class _Sharded:
+    """FSDP2's full-state collectives, called on every rank at once (rank 0 gets the result, on CPU)."""
 
-    def __init__(self, cluster: Cluster):
-        self.cluster = cluster
+    def __init__(self, model: torch.nn.Module, trainer: InnerTrainer):
+        from torch.distributed.checkpoint import state_dict as dcp
 
-    def start(self, data_seed: int) -> None:
-        """Before the trainer is built: the followers build the same data stream."""
-        self.cluster.send(INIT, data_seed)
+        self.dcp, self.model, self.trainer = dcp, model, trainer
+        self.names = [n for n, _ in model.named_parameters()]  # the order of theta (built before sharding)
+        self.full = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        self.scatter = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
-    def params(self, params: list[torch.Tensor]) -> None:
-        """theta was loaded into the model (outer step, state download, repair)."""
+    def gather(self) -> dict:
+        return self.dcp.get_model_state_dict(self.model, options=self.full)
+
+    def gather_optimizer(self) -> dict:
+        """The full inner optimizer state, or {} before the first step. Never ask torch for an empty one: it
+        would create it by a step with zero gradients and lr 0, which leaves AdamW's step count at 1 and so
+        changes every later step's bias correction (measured: theta 4e-3 away from the 1-rank run after 3
+        rounds, instead of 2e-8). The test is the same on every rank, so they skip the collective together."""
+        if not self.trainer.optimizer.state:
+            return {}
+        return self.dcp.get_optimizer_state_dict(self.model, self.trainer.optimizer, options=self.full)
+
+    def load(self, model_state: dict) -> None:
+        self.dcp.set_model_state_dict(self.model, model_state, options=self.scatter)
+
+    def load_optimizer(self, optimizer_state: dict) -> None:
+        """(rank 0: the full state; the others: {}.) Called only when rank 0's state is not empty."""
+        self.dcp.set_optimizer_state_dict(self.model, self.trainer.optimizer, optimizer_state, options=self.scatter)
+
+
+class ClusterReplica(Replica):
+    """Rank 0's :class:`~p2p_diloco.inner.Replica`: each operation on the model goes through the local ranks."""
+
+    def __init__(self, cluster: Cluster, model: torch.nn.Module, trainer: ClusterTrainer, autocast: str, data):
+        super().__init__(model, trainer, autocast)
+        self.cluster, self.data = cluster, data
+        self.sharded = _Sharded(model, trainer) if cluster.parallelism == "fsdp" else None
+
+    def pseudo_gradient(self, theta, out) -> None:
+        if not self.sharded:  # DDP: rank 0 holds the cluster's weights
+            return super().pseudo_gradient(theta, out)
+        self.cluster.send(GATHER)
+        full = self.sharded.gather()
+        outer.pseudo_gradient(theta, [full[n] for n in self.sharded.names], out)
+
+    def load(self, theta) -> None:
         self.cluster.send(PARAMS)
-        self.cluster.broadcast_params(params)
+        if self.sharded:
+            self.sharded.load(dict(zip(self.sharded.names, theta, strict=True)))
+        else:
+            super().load(theta)
+            self.cluster.broadcast_params(self.params)
 
-    def state(self, trainer: InnerTrainer, data, params: list[torch.Tensor]) -> None:
-        """After a resume: inner optimizer, data cursor and weights, so that every rank continues identically."""
+    def evaluate(self, batches) -> float:
+        if self.sharded:
+            self.cluster.send(EVAL)
+        return super().evaluate(batches)
+
+    def model_state(self) -> dict:
+        if not self.sharded:
+            return super().model_state()
+        self.cluster.send(GATHER)
+        return self.sharded.gather()
+
+    def optimizer_state(self) -> dict:
+        if not self.sharded:
+            return super().optimizer_state()
+        self.cluster.send(OPTIM)
+        return self.sharded.gather_optimizer()
+
+    def restore(self, model_state: dict, optimizer_state: dict, data) -> None:
+        """Every rank continues from the checkpoint: weights, inner optimizer and data cursor."""
         self.cluster.send(STATE)
-        self.cluster.broadcast_objects([trainer.optimizer.state_dict(), data.state_dict()])
-        self.cluster.broadcast_params(params)
-
-    def stop(self) -> None:
-        try:
-            self.cluster.send(STOP)
-        except Exception as e:  # a follower already gone (torchrun then stops the rest); nothing left to tell
-            log.warning("could not tell the other local ranks to stop: %s", e)
+        self.cluster.broadcast_objects([data.state_dict(), bool(optimizer_state)])
+        if self.sharded:
+            self.sharded.load(model_state)
+            if optimizer_state:  # {} = saved before the first inner step (see _Sharded.gather_optimizer)
+                self.sharded.load_optimizer(optimizer_state)
+            return
+        super().restore(model_state, optimizer_state, data)
+        self.cluster.broadcast_objects([optimizer_state])
+        self.cluster.broadcast_params(self.params)
 
 
 def follow(cfg: Config, cluster: Cluster) -> None:
     """A follower rank's whole life: build the model and data as rank 0 does, then obey its commands."""
-    from .data import PackedStream
+    from .data import PackedStream, eval_batches
     from .model import build_model
     from .tokenizer import build_tokenizer, vocab_size
 
@@ -196,21 +283,40 @@ def follow(cfg: Config, cluster: Cluster) -> None:
     data = PackedStream(tokenizer, cfg.data, seed)
     horizon = cfg.train.total_steps or cfg.run.max_rounds * cfg.train.inner_steps
     trainer = ClusterTrainer(cluster, model, cfg.train, data.next_batch, horizon)
+    sharded = _Sharded(model, trainer) if cluster.parallelism == "fsdp" else None
+    eval_set = eval_batches(tokenizer, cfg.data, cfg.eval.batches) if sharded else None
     try:
         while True:
             op, arg = cluster.receive()
-            if op == STEP:
-                trainer.step(arg)
-            elif op == PARAMS:
-                cluster.broadcast_params(params)
-            elif op == STATE:
-                optimizer_state, data_state = cluster.broadcast_objects([None, None])
-                trainer.optimizer.load_state_dict(optimizer_state)
-                data.load_state_dict(data_state)
-                cluster.broadcast_params(params)
-            elif op == STOP:
+            if op == STOP:
                 return
-            else:
-                raise RuntimeError(f"rank {cluster.rank}: unknown command {op} from rank 0")
+            _obey(op, arg, cluster, trainer, sharded, params, data, eval_set, cfg)
     finally:
         data.close()
+
+
+def _obey(op: int, arg: int, cluster: Cluster, trainer: ClusterTrainer, sharded: _Sharded | None, params, data,
+          eval_set, cfg: Config) -> None:
+    """One command from rank 0, mirrored on a follower (see :class:`ClusterReplica` for rank 0's side)."""
+    if op == STEP:
+        trainer.step(arg)  # arg: rank 0's global step (the lr schedule)
+    elif op == PARAMS:
+        sharded.load({}) if sharded else cluster.broadcast_params(params)
+    elif op == STATE:
+        data_state, has_optimizer_state = cluster.broadcast_objects([None, None])
+        data.load_state_dict(data_state)
+        if sharded:
+            sharded.load({})
+            if has_optimizer_state:
+                sharded.load_optimizer({})
+        else:
+            trainer.optimizer.load_state_dict(cluster.broadcast_objects([None])[0])
+            cluster.broadcast_params(params)
+    elif op == GATHER and sharded:
+        sharded.gather()
+    elif op == OPTIM and sharded:
+        sharded.gather_optimizer()
+    elif op == EVAL and sharded:
+        evaluate(trainer.model, eval_set, cluster.device, cfg.train.autocast)
+    else:
+        raise RuntimeError(f"rank {cluster.rank}: unexpected command {NAMES.get(op, op)} from rank 0")

@@ -94,7 +94,7 @@ class TrainConfig:
     autocast: str = "auto"  # "auto" = bf16 where the device supports it (CUDA), "bf16", "off"
     device: str = "cpu"  # "cpu", "cuda", "auto"
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
-    parallelism: str = "ddp"  # local ranks of a torchrun peer (p2p_diloco/cluster.py): ddp ("fsdp": not yet)
+    parallelism: str = "ddp"  # local ranks of a torchrun peer (p2p_diloco/cluster.py): ddp | fsdp (FSDP2)
 
 
 @dataclass
@@ -367,8 +367,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"swarm.deadlines must be adaptive or fixed, got {cfg.swarm.deadlines!r}")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
-    if cfg.train.parallelism != "ddp":
-        raise ConfigError(f"train.parallelism must be ddp (fsdp is not implemented yet), got {cfg.train.parallelism!r}")
+    if cfg.train.parallelism not in ("ddp", "fsdp"):
+        raise ConfigError(f"train.parallelism must be ddp or fsdp, got {cfg.train.parallelism!r}")
     if cfg.outer.sharding != "rank0":
         raise ConfigError(f"outer.sharding must be rank0 (sharded is not implemented yet), got {cfg.outer.sharding!r}")
     if cfg.round.mode not in ("fixed_steps", "swarm_target"):

@@ -4,8 +4,9 @@ Nothing here knows about the swarm. The inner optimizer state is local and never
 syncing it costs 3x the traffic for no gain). The learning-rate schedule is a function of the *global* inner step
 (``round * H + inner_step``), so a peer that joins at round 40 uses the swarm's current lr instead of re-warming.
 
-Written for one process today; under torchrun the same class wraps a DDP/FSDP model and only rank 0 talks to the
-swarm (the model and batches are the only things that change).
+Under torchrun the same trainer runs on every local rank with a DDP or FSDP2 model (``cluster.ClusterTrainer``), and
+:class:`Replica` is what the round protocol touches of the model (``cluster.ClusterReplica`` does it through the
+ranks).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import outer
 from .config import TrainConfig
 
 
@@ -108,3 +110,41 @@ def evaluate(model: torch.nn.Module, batches: Sequence[torch.Tensor], device: to
             losses.append(model(input_ids=batch, labels=batch).loss.float().item())
     model.train(was_training)
     return sum(losses) / len(losses)
+
+
+class Replica:
+    """This peer's local copy of the model as the round protocol sees it: the weights it trained, where theta is
+    loaded, what is evaluated and checkpointed. One process here; a cluster peer's rank 0 uses
+    :class:`p2p_diloco.cluster.ClusterReplica`, which does the same through its local ranks.
+
+    Args:
+        model: the (unwrapped) model; ``trainer`` trains it.
+        trainer: its :class:`InnerTrainer`.
+        autocast: ``train.autocast`` (used for evaluation).
+    """
+
+    def __init__(self, model: torch.nn.Module, trainer: InnerTrainer, autocast: str):
+        self.model, self.trainer, self.autocast = model, trainer, autocast
+        self.params = list(model.parameters())
+
+    def pseudo_gradient(self, theta: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
+        """``out = theta - local weights`` (see :func:`p2p_diloco.outer.pseudo_gradient`)."""
+        outer.pseudo_gradient(theta, self.params, out)
+
+    def load(self, theta: Sequence[torch.Tensor]) -> None:
+        """Start the next round from theta."""
+        outer.load_into(self.params, theta)
+
+    def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
+        return evaluate(self.model, batches, self.trainer.device, self.autocast)
+
+    def model_state(self) -> dict:
+        return self.model.state_dict()
+
+    def optimizer_state(self) -> dict:
+        return self.trainer.optimizer.state_dict()
+
+    def restore(self, model_state: dict, optimizer_state: dict, data) -> None:
+        """Continue from a checkpoint's model and inner optimizer (``data``: the stream, already restored)."""
+        self.model.load_state_dict(model_state)
+        self.trainer.optimizer.load_state_dict(optimizer_state)

@@ -162,6 +162,18 @@ def format_table(summaries: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def _interrupt_on(*signals: int) -> None:
+    """Turn these signals into KeyboardInterrupt, whatever we inherited: a launcher started in the background by
+    a non-interactive shell inherits SIGINT *ignored* (seen: Ctrl-C's SIGINT then did nothing), and SIGTERM's
+    default action would kill us without stopping the peers, which live in their own sessions."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in signals:
+        signal.signal(sig, handler)
+
+
 def cmd_swarm(args: argparse.Namespace) -> int:
     from .cli import load_join_config
 
@@ -178,6 +190,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     print(f"swarm of {args.peers} peers; logs in {log_dir}", flush=True)
     peers: list[PeerProc] = []
     interrupted = False
+    _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
         peers = _start_all(args, log_dir)
         print("  join this swarm with: " + " ".join(shlex.quote(a) for a in

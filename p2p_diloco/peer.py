@@ -35,14 +35,14 @@ import torch
 
 from . import consensus, progress
 from . import outer as outer_mod
-from .cluster import Cluster, ClusterTrainer, Leader
+from .cluster import INIT, Cluster, ClusterReplica, ClusterTrainer
 from .checkpoint import CheckpointStore, PeerState
-from .peer_checkpoints import PeerCheckpoints
+from .peer_checkpoints import PeerCheckpoints, check_resumable
 from .config import Config
 from .data import PackedStream, eval_batches
 from .deadlines import Deadlines, StragglerWait
 from .errors import RoundFailed
-from .inner import InnerTrainer, evaluate, resolve_device
+from .inner import InnerTrainer, Replica, resolve_device
 from .metrics import Metrics
 from .model import build_model, count_parameters
 from .overlap import OverlappedRounds
@@ -79,11 +79,13 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
                  stop: threading.Event | None = None, on_started: Callable[[Any], None] | None = None,
                  cluster: Cluster | None = None):
         self.cfg, self.metrics, self.stop = cfg, metrics, stop or threading.Event()
-        self.cluster, self.leader = cluster, Leader(cluster) if cluster else None
+        self.cluster = cluster
         self.on_started = on_started
         self.store = CheckpointStore(cfg.checkpoint.dir, cfg.checkpoint.keep) if cfg.checkpoint.dir else None
         self.resumed: PeerState | None = self.store.load(fingerprint=cfg.fingerprint()) if (
             self.store and cfg.checkpoint.resume) else None
+        if self.resumed:
+            check_resumable(self.resumed, cfg, cluster)
         if cfg.train.threads > 0:
             torch.set_num_threads(cfg.train.threads)
         self.device = cluster.device if cluster else resolve_device(cfg.train.device)
@@ -127,8 +129,8 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
             elif self._at_boundary:
                 self._save_checkpoint(force=True)  # stopped between rounds: keep exactly this point
         finally:
-            if self.leader:
-                self.leader.stop()  # before the swarm's shutdown, which can take a few seconds
+            if self.cluster:  # the other local ranks stop first: the swarm's shutdown can take a few seconds
+                self.cluster.stop_followers()
             self.swarm.shutdown()
             if hasattr(self, "data"):
                 self.data.close()
@@ -142,15 +144,15 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         self.data_seed = seed
         self.data = PackedStream(self.tokenizer, self.cfg.data, seed)
         horizon = self.cfg.train.total_steps or self.cfg.run.max_rounds * self.cfg.train.inner_steps
-        if self.leader:
-            self.leader.start(seed)
+        if self.cluster:
+            self.cluster.send(INIT, seed)  # the other ranks build the same data stream, then wrap the model with us
             self.trainer = ClusterTrainer(self.cluster, self.model, self.cfg.train, self.data.next_batch, horizon)
+            self.replica = ClusterReplica(self.cluster, self.model, self.trainer, self.cfg.train.autocast, self.data)
         else:
             self.trainer = InnerTrainer(self.model, self.cfg.train, self.data.next_batch, horizon, self.device)
+            self.replica = Replica(self.model, self.trainer, self.cfg.train.autocast)
         if self.resumed:
             self._restore(self.resumed)
-            if self.leader:
-                self.leader.state(self.trainer, self.data, self.params)
 
     def _finished(self) -> bool:
         return 0 < self.cfg.run.max_rounds <= self.round
@@ -172,7 +174,7 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         if self.stop.is_set():
             return
         delta = [torch.empty_like(t) for t in self.theta]
-        outer_mod.pseudo_gradient(self.theta, self.params, delta)
+        self.replica.pseudo_gradient(self.theta, delta)
         self._sync_and_step(r, delta, tokens, steps)
         self._boundary()
 
@@ -191,9 +193,7 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
 
     def _boundary(self, phase: str = "train") -> None:
         """theta(self.round) is set (outer step or download): load it, announce it, checkpoint, evaluate."""
-        outer_mod.load_into(self.params, self.theta)
-        if self.leader:
-            self.leader.params(self.params)
+        self.replica.load(self.theta)
         self._at_boundary = True
         self.swarm.publish(phase=phase, round=self.round, digest=self.digest, inner_step=0, round_tokens=0)
         self.swarm.set_donor_round(self.round)
@@ -363,7 +363,7 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
 
     # ------------------------------------------------------------------------------------------------- misc
     def _evaluate(self) -> None:
-        loss = evaluate(self.model, self.eval_set, self.device, self.cfg.train.autocast)
+        loss = self.replica.evaluate(self.eval_set)
         self.eval_first = loss if self.eval_first is None else self.eval_first
         self.eval_last = loss
         self.swarm.update(eval_loss=loss)

@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import logging
 
-from .checkpoint import PeerState, capture_rng, restore_rng
+from .checkpoint import CheckpointError, PeerState, capture_rng, restore_rng
 
 log = logging.getLogger(__name__)
+
+
+def optimizer_format(cfg, cluster) -> str:
+    """How the inner optimizer state is saved: FSDP's full state (keyed by parameter name) or torch's plain one."""
+    return "fsdp" if cluster is not None and cfg.train.parallelism == "fsdp" else "plain"
+
+
+def check_resumable(state: PeerState, cfg, cluster) -> None:
+    """Refuse, before anything starts, a checkpoint whose inner optimizer state this peer cannot load."""
+    saved, ours = state.extra.get("optimizer_format", "plain"), optimizer_format(cfg, cluster)
+    if saved != ours:
+        raise CheckpointError(f"the checkpoint's inner optimizer state is in {saved!r} format and this peer needs "
+                              f"{ours!r}: resume with the train.parallelism it was saved with (fsdp under torchrun "
+                              f"with several ranks, or ddp / one process)")
 
 
 class PeerCheckpoints:
@@ -25,11 +39,12 @@ class PeerCheckpoints:
         extra = {"data_seed": self.data_seed, "tokens_trained": self.tokens_trained,
                  "rounds_participated": self.rounds_participated, "bytes_sent": self.bytes_sent,
                  "bytes_received": self.bytes_received, "eval_first": self.eval_first,
-                 "peer_id": getattr(self.swarm, "peer_id", ""), "config": self.cfg.to_dict()}
+                 "peer_id": getattr(self.swarm, "peer_id", ""), "config": self.cfg.to_dict(),
+                 "optimizer_format": optimizer_format(self.cfg, self.cluster)}
         with self._state_lock:
             state = PeerState(round=self.round, fingerprint=self.cfg.fingerprint(), global_digest=self.digest,
                               theta=self.theta, momentum=self.outer.momentum_buffers,
-                              model=self.model.state_dict(), inner_optimizer=self.trainer.optimizer.state_dict(),
+                              model=self.replica.model_state(), inner_optimizer=self.replica.optimizer_state(),
                               data=self.data.state_dict(), rng=capture_rng(), extra=extra)
             try:
                 path = self.store.save(state)
@@ -44,9 +59,8 @@ class PeerCheckpoints:
         with self._state_lock:
             self.outer.load_state_tensors([*state.theta, *state.momentum])
             self.round, self.digest = state.round, state.global_digest
-        self.model.load_state_dict(state.model)
-        self.trainer.optimizer.load_state_dict(state.inner_optimizer)
         self.data.load_state_dict(state.data)
+        self.replica.restore(state.model, state.inner_optimizer, self.data)
         restore_rng(state.rng)
         extra = state.extra
         self.tokens_trained = extra.get("tokens_trained", 0)

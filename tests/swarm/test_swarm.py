@@ -1,6 +1,7 @@
 """Real swarms: subprocess peers on 127.0.0.1 (each in its own process group), real DHTs and all-reduces."""
 
 import signal
+import sys
 import time
 
 import pytest
@@ -96,15 +97,25 @@ def test_unreachable_initial_peer_fails_fast(reap):
     assert not survivors(reap)
 
 
-def test_interrupted_swarm_leaves_no_process(tmp_path, reap):
-    """Ctrl-C on `p2p-diloco swarm` stops every peer; no python, DHT, averager or p2pd process survives."""
-    swarm = Proc(["swarm", "--peers", "2", "--log-dir", str(tmp_path), "--run-id", "t-int", *FAST], reap)
+# Starts a command with SIGINT ignored, as a non-interactive shell starts a background job (`cmd &`).
+IGNORE_SIGINT = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                 "os.execvp(sys.argv[1], sys.argv[1:])"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_swarm_leaves_no_process(tmp_path, reap, sig):
+    """Ctrl-C (or SIGTERM) on `p2p-diloco swarm` stops every peer; no python, DHT, averager or p2pd process
+    survives. The launcher is started with SIGINT ignored, as `p2p-diloco swarm &` from a script would be: it
+    failed then (CI, started in the background: the SIGINT did nothing), and SIGTERM killed it without stopping
+    the peers."""
+    swarm = Proc(["swarm", "--peers", "2", "--log-dir", str(tmp_path), "--run-id", "t-int", *FAST], reap,
+                 prefix=IGNORE_SIGINT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not any(
             e["event"] == "outer_step" for f in tmp_path.glob("*/events.jsonl") for e in read_events(f)):
         time.sleep(0.5)
     procs = tagged_processes(reap)
     assert sum("p2pd" in " ".join(p.cmdline()) for p in procs) >= 2, [p.cmdline() for p in procs]
-    swarm.signal(signal.SIGINT)
+    swarm.signal(sig)
     assert swarm.wait(90) == 130
     assert not survivors(reap)

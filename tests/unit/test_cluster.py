@@ -34,10 +34,10 @@ def test_settings_that_cannot_work_with_this_many_ranks(sets, message):
 
 
 @pytest.mark.parametrize("sets, message", [
-    (["train.parallelism=fsdp"], "train.parallelism must be ddp"),
+    (["train.parallelism=zero3"], "train.parallelism must be ddp or fsdp"),
     (["outer.sharding=sharded"], "outer.sharding must be rank0"),
 ])
-def test_modes_not_implemented_are_refused(sets, message):
+def test_unknown_or_unimplemented_modes_are_refused(sets, message):
     with pytest.raises(ConfigError, match=message):
         validate(load_config(sets=sets))
 
