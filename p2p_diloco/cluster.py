@@ -212,9 +212,9 @@ class _Sharded:
 class ClusterReplica(Replica):
     """Rank 0's :class:`~p2p_diloco.inner.Replica`: each operation on the model goes through the local ranks."""
 
-    def __init__(self, cluster: Cluster, model: torch.nn.Module, trainer: ClusterTrainer, autocast: str, data):
+    def __init__(self, cluster: Cluster, model: torch.nn.Module, trainer: ClusterTrainer, autocast: str):
         super().__init__(model, trainer, autocast)
-        self.cluster, self.data = cluster, data
+        self.cluster = cluster
         self.sharded = _Sharded(model, trainer) if cluster.parallelism == "fsdp" else None
 
     def pseudo_gradient(self, theta, out) -> None:

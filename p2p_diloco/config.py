@@ -112,7 +112,7 @@ class OuterConfig:
     nesterov: bool = True
     compression: str = "none"  # wire codec of pseudo-gradients: none | fp16 | bf16 | int8 | int4 (see codecs.py)
     overlap: bool = False  # average round r in the background while training round r+1 (outer step one round late)
-    sharding: str = "rank0"  # torchrun peer: rank 0 holds the outer state and syncs ("sharded": not yet); local
+    sharding: str = "rank0"  # torchrun peer: rank 0 holds the outer state ("sharded": not yet); not fingerprinted
 
 
 @dataclass

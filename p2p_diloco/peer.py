@@ -147,7 +147,7 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         if self.cluster:
             self.cluster.send(INIT, seed)  # the other ranks build the same data stream, then wrap the model with us
             self.trainer = ClusterTrainer(self.cluster, self.model, self.cfg.train, self.data.next_batch, horizon)
-            self.replica = ClusterReplica(self.cluster, self.model, self.trainer, self.cfg.train.autocast, self.data)
+            self.replica = ClusterReplica(self.cluster, self.model, self.trainer, self.cfg.train.autocast)
         else:
             self.trainer = InnerTrainer(self.model, self.cfg.train, self.data.next_batch, horizon, self.device)
             self.replica = Replica(self.model, self.trainer, self.cfg.train.autocast)
