@@ -23,6 +23,7 @@ import torch
 
 from p2p_diloco.errors import UsageError
 from p2p_diloco.outer import digest
+from p2p_diloco.shards import global_digest, shard_digest
 
 FORMAT = 1
 _NAME = re.compile(r"round-(\d{8,})\.pt")
@@ -88,6 +89,32 @@ def _cpu_clone(obj: Any) -> Any:
     return obj
 
 
+def atomic_save(payload: Any, final: Path) -> None:
+    """``torch.save`` to ``final`` atomically: after a crash ``final`` holds the old or the new complete file.
+
+    The file is written under a ``.tmp-`` name in the same directory (so the rename cannot cross file systems),
+    fsynced, renamed over the final name, and the directory is fsynced.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=final.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:  # KeyboardInterrupt too: never leave a half-written temp file behind
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    if os.name == "posix":  # makes the rename itself durable; directories cannot be opened on Windows
+        dir_fd = os.open(final.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
 class CheckpointStore:
     """A directory of ``round-XXXXXXXX.pt`` checkpoints, keeping the newest ``keep``.
 
@@ -103,32 +130,11 @@ class CheckpointStore:
         self.keep = keep
 
     def save(self, state: PeerState) -> Path:
-        """Write ``state`` atomically as ``round-{round:08d}.pt`` and prune old checkpoints.
-
-        The file is written under a ``.tmp-`` name in the same directory (so the rename cannot cross file systems),
-        fsynced, renamed over the final name and the directory is fsynced: after a crash the final name holds the
-        old or the new complete file, never a partial one. Returns the new checkpoint's path.
-        """
+        """Write ``state`` atomically (:func:`atomic_save`) as ``round-{round:08d}.pt`` and prune old checkpoints.
+        Returns the new checkpoint's path."""
         payload = {"format": FORMAT, **{f.name: _cpu_clone(getattr(state, f.name)) for f in fields(PeerState)}}
-        self.directory.mkdir(parents=True, exist_ok=True)
         final = self.directory / f"round-{state.round:08d}.pt"
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=self.directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:  # KeyboardInterrupt too: never leave a half-written temp file behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        if os.name == "posix":  # makes the rename itself durable; directories cannot be opened on Windows
-            dir_fd = os.open(self.directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+        atomic_save(payload, final)
         # Pruning only after the new file is in place, so there is always at least one complete checkpoint. The
         # file just written is never pruned, even when it has a lower round number than the ones on disk.
         others = [p for p in self.paths() if p != final]
@@ -210,7 +216,12 @@ def _read(path: Path, fingerprint: str | None) -> PeerState:
     theta, momentum = payload["theta"], payload["momentum"]
     if not all(isinstance(t, torch.Tensor) for t in theta + momentum):
         raise CheckpointError(f"checkpoint {path} is corrupt: theta/momentum hold non-tensors")
-    if digest(theta) != payload["global_digest"]:
+    shard_digests = payload["extra"].get("shard_digests")  # outer.sharding = sharded: theta is in shard files
+    if shard_digests is not None:
+        if theta or momentum or not isinstance(shard_digests, list) or \
+                global_digest(shard_digests) != payload["global_digest"]:
+            raise CheckpointError(f"checkpoint {path} is corrupt: its shard digests do not match its recorded digest")
+    elif digest(theta) != payload["global_digest"]:
         raise CheckpointError(f"checkpoint {path} is corrupt: theta does not match its recorded digest")
     if len(theta) != len(momentum) or any(t.shape != m.shape for t, m in zip(theta, momentum)):
         raise CheckpointError(f"checkpoint {path} is corrupt: momentum does not match theta in count or shapes")
@@ -218,3 +229,48 @@ def _read(path: Path, fingerprint: str | None) -> PeerState:
         raise CheckpointError(f"checkpoint {path} belongs to another config "
                               f"(fingerprint {payload['fingerprint'][:16]}, this run {fingerprint[:16]})")
     return PeerState(**{f.name: payload[f.name] for f in fields(PeerState)})
+
+
+_SHARD_NAME = re.compile(r"shard-(\d{4,})-round-(\d{8,})\.pt")
+
+
+class ShardFiles:
+    """``outer.sharding = "sharded"``: each rank's logical shards of theta and the momentum, one file per shard and
+    round in ``<checkpoint dir>/shards/``, written atomically *before* rank 0 writes the round's checkpoint (which
+    records every shard's digest). Files are per logical shard, so any rank layout can resume from them."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory) / "shards"
+
+    def path(self, j: int, round_: int) -> Path:
+        return self.directory / f"shard-{j:04d}-round-{round_:08d}.pt"
+
+    def save(self, j: int, round_: int, fingerprint: str, theta_j: torch.Tensor, momentum_j: torch.Tensor) -> None:
+        atomic_save({"format": FORMAT, "shard": j, "round": round_, "fingerprint": fingerprint,
+                     "digest": shard_digest(theta_j), "theta": theta_j.clone(), "momentum": momentum_j.clone()},
+                    self.path(j, round_))
+
+    def load(self, j: int, round_: int, fingerprint: str, want_digest: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(theta_j, momentum_j) of round ``round_``; CheckpointError (one line) if missing or not the recorded one."""
+        path = self.path(j, round_)
+        try:
+            payload = torch.load(path, weights_only=True, map_location="cpu")
+            theta_j, momentum_j = payload["theta"], payload["momentum"]
+            ok = (payload["shard"] == j and payload["round"] == round_ and payload["fingerprint"] == fingerprint
+                  and theta_j.shape == momentum_j.shape and shard_digest(theta_j) == want_digest)
+        except Exception as exc:
+            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+            raise CheckpointError(f"cannot read shard checkpoint {path}: {reason}") from exc
+        if not ok:
+            raise CheckpointError(f"shard checkpoint {path} is corrupt or not the one the round's checkpoint recorded")
+        return theta_j, momentum_j
+
+    def prune(self, shards: list[int], keep_rounds: set[int]) -> None:
+        """Delete the files of ``shards`` whose round is not in ``keep_rounds``."""
+        if not self.directory.is_dir():
+            return
+        for p in self.directory.iterdir():
+            m = _SHARD_NAME.fullmatch(p.name)
+            if m and int(m.group(1)) in shards and int(m.group(2)) not in keep_rounds:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()

@@ -219,6 +219,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         return 0
     from .metrics import EventLog
     from .peer import Peer
+    from .sharded_peer import ShardedPeer
     from .swarm import Swarm
 
     stop = threading.Event()
@@ -244,7 +245,8 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     try:
         try:
-            peer = Peer(cfg, metrics, Swarm, stop=stop, on_started=on_started, cluster=cluster)
+            kind = ShardedPeer if cfg.outer.sharding == "sharded" else Peer
+            peer = kind(cfg, metrics, Swarm, stop=stop, on_started=on_started, cluster=cluster)
         except BaseException:  # e.g. a checkpoint we cannot resume: the other ranks wait for our first command
             if cluster:
                 cluster.stop_followers()

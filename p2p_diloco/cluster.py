@@ -23,7 +23,9 @@ Division of labour (``outer.sharding = "rank0"``):
   and AdamW state. At the end of a round the full weights are gathered to rank 0's CPU (``GATHER``), and theta
   goes back out with ``broadcast_from_rank0`` (``PARAMS``). Evaluation runs on every rank (``EVAL``).
 
-Both keep the outer state (theta, momentum) whole on rank 0's CPU (``outer.sharding = "rank0"``).
+With ``outer.sharding = "rank0"`` both keep the outer state (theta, momentum) whole on rank 0's CPU. With
+``"sharded"`` each rank keeps its logical shards of it and averages them with its own hivemind averagers
+(:mod:`p2p_diloco.sharded`; the commands whose names start with ``S``).
 
 Follower ranks ignore SIGINT/SIGTERM (torchrun sends them to every rank): rank 0 stops at a safe point and then
 sends ``STOP``; a follower that left first would break rank 0's next collective and could cost it its last
@@ -34,7 +36,6 @@ batch (``data.batch_size`` must divide by K). A K-rank peer therefore computes t
 peer with the same batch, up to the order of float sums (tested: tests/swarm/test_cluster.py). Each rank
 tokenizes the whole stream, K times the tokenizer work of one rank, which is small next to a model's step.
 
-Not here yet: ``outer.sharding = "sharded"`` (the outer state split over the ranks; see docs/scale.md).
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ from .inner import InnerTrainer, Replica, evaluate
 
 log = logging.getLogger(__name__)
 STEP, PARAMS, STATE, STOP, INIT, GATHER, OPTIM, EVAL = 1, 2, 3, 4, 5, 6, 7, 8
+SPSEUDO, SSYNC, SSTEP, SLOAD, SDOWNLOAD, SSAVE, SRESTORE = 9, 10, 11, 12, 13, 14, 15  # outer.sharding = "sharded"
 NAMES = {STEP: "STEP", PARAMS: "PARAMS", STATE: "STATE", STOP: "STOP", INIT: "INIT", GATHER: "GATHER",
-         OPTIM: "OPTIM", EVAL: "EVAL"}
+         OPTIM: "OPTIM", EVAL: "EVAL", SPSEUDO: "SPSEUDO", SSYNC: "SSYNC", SSTEP: "SSTEP", SLOAD: "SLOAD",
+         SDOWNLOAD: "SDOWNLOAD", SSAVE: "SSAVE", SRESTORE: "SRESTORE"}  # S*: p2p_diloco/sharded.py
 
 
 @dataclass
@@ -160,6 +163,8 @@ def check(cfg: Config, world: int) -> None:
                           f"ranks ({world})")
     if cfg.outer.overlap:
         raise ConfigError("outer.overlap does not work with several local ranks yet")
+    if cfg.outer.sharding == "sharded" and cfg.outer.shards < world:
+        raise ConfigError(f"outer.shards ({cfg.outer.shards}) must be at least the number of local ranks ({world})")
 
 
 class ClusterTrainer(InnerTrainer):
@@ -276,6 +281,11 @@ def follow(cfg: Config, cluster: Cluster) -> None:
     tokenizer = build_tokenizer(cfg.tokenizer)
     model = build_model(cfg.model, vocab_size(tokenizer), cfg.run.seed).to(cluster.device)
     params = list(model.parameters())
+    outer_shards = None
+    if cfg.outer.sharding == "sharded":  # as rank 0's Peer does while it is built (a collective)
+        from .sharded import ShardedRank, obey, start_follower_swarm
+
+        outer_shards = ShardedRank(cfg, cluster, params)
     op, seed = cluster.receive()
     if op == STOP:
         return
@@ -286,13 +296,19 @@ def follow(cfg: Config, cluster: Cluster) -> None:
     sharded = _Sharded(model, trainer) if cluster.parallelism == "fsdp" else None
     eval_set = eval_batches(tokenizer, cfg.data, cfg.eval.batches) if sharded else None
     try:
+        if outer_shards:
+            start_follower_swarm(outer_shards, cluster, cluster.broadcast_objects([None])[0])
+            params = list(model.parameters())  # FSDP2 replaced them with DTensors
         while True:
             op, arg = cluster.receive()
             if op == STOP:
                 return
-            _obey(op, arg, cluster, trainer, sharded, params, data, eval_set, cfg)
+            if not (outer_shards and obey(op, outer_shards, params)):
+                _obey(op, arg, cluster, trainer, sharded, params, data, eval_set, cfg)
     finally:
         data.close()
+        if outer_shards and outer_shards.swarm is not None:
+            outer_shards.swarm.shutdown()
 
 
 def _obey(op: int, arg: int, cluster: Cluster, trainer: ClusterTrainer, sharded: _Sharded | None, params, data,

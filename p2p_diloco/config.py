@@ -23,9 +23,10 @@ class ConfigError(UsageError):
     """Bad configuration input (missing file, unknown key, bad value). The CLI turns it into exit code 2."""
 
 
-# Settings of the fingerprinted sections that each peer may choose for itself: how a peer lays out its own
-# ranks changes nothing that its round-mates see, so a 1-rank and an 8-rank peer must be able to average.
-LOCAL_ONLY = frozenset({"outer.sharding"})
+# Settings of the fingerprinted sections that are fingerprinted only in sharded mode: the logical shards decide the
+# averagers' keys and the digest, so every peer of a run must use the same mode and shard count (any rank layout:
+# a 1-rank and an 8-rank peer average together in either mode). A rank0-mode fingerprint is as it always was.
+SHARDED_ONLY = frozenset({"outer.sharding", "outer.shards"})
 
 
 @dataclass
@@ -112,7 +113,10 @@ class OuterConfig:
     nesterov: bool = True
     compression: str = "none"  # wire codec of pseudo-gradients: none | fp16 | bf16 | int8 | int4 (see codecs.py)
     overlap: bool = False  # average round r in the background while training round r+1 (outer step one round late)
-    sharding: str = "rank0"  # torchrun peer: rank 0 holds the outer state ("sharded": not yet); not fingerprinted
+    # where theta and the outer momentum live (p2p_diloco/shards.py): "rank0" = whole, on one process (rank 0 of a
+    # torchrun peer); "sharded" = cut into `shards` logical shards, each rank keeping its own, one averager each
+    sharding: str = "rank0"
+    shards: int = 8
 
 
 @dataclass
@@ -217,7 +221,7 @@ class Config:
         out: dict[str, Any] = {"run.seed": self.run.seed, "round.mode": self.round.mode}
         for section in ("model", "tokenizer", "outer"):
             for key, value in dataclasses.asdict(getattr(self, section)).items():
-                if f"{section}.{key}" not in LOCAL_ONLY:
+                if f"{section}.{key}" not in SHARDED_ONLY or self.outer.sharding == "sharded":
                     out[f"{section}.{key}"] = value
         return out
 
@@ -369,8 +373,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
     if cfg.train.parallelism not in ("ddp", "fsdp"):
         raise ConfigError(f"train.parallelism must be ddp or fsdp, got {cfg.train.parallelism!r}")
-    if cfg.outer.sharding != "rank0":
-        raise ConfigError(f"outer.sharding must be rank0 (sharded is not implemented yet), got {cfg.outer.sharding!r}")
+    if cfg.outer.sharding not in ("rank0", "sharded"):
+        raise ConfigError(f"outer.sharding must be rank0 or sharded, got {cfg.outer.sharding!r}")
+    if cfg.outer.shards < 1:
+        raise ConfigError(f"outer.shards must be >= 1, got {cfg.outer.shards}")
+    if cfg.outer.sharding == "sharded" and cfg.outer.overlap:
+        raise ConfigError("outer.sharding = sharded does not work with outer.overlap yet")
     if cfg.round.mode not in ("fixed_steps", "swarm_target"):
         raise ConfigError(f"round.mode must be fixed_steps or swarm_target, got {cfg.round.mode!r}")
     if cfg.round.target_tokens < 0 or cfg.round.progress_period <= 0:

@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 
-from .checkpoint import CheckpointStore, PeerState
+from .checkpoint import CheckpointStore, PeerState, ShardFiles
 from .config import Config, ConfigError, apply_overrides, load_config
 from .errors import UsageError
 
@@ -77,6 +77,8 @@ def load_trained(checkpoint: str | Path, config_path: str | None = None, sets: I
     tokenizer = build_tokenizer(cfg.tokenizer)
     model = build_model(cfg.model, vocab_size(tokenizer), cfg.run.seed)
     params = list(model.parameters())
+    if state.extra.get("shard_digests") is not None:  # outer.sharding = sharded: theta is in the shard files
+        state.theta = _theta_from_shards(state, path, params)
     shapes = [tuple(p.shape) for p in params]
     saved = [tuple(t.shape) for t in state.theta]
     if shapes != saved:
@@ -84,6 +86,17 @@ def load_trained(checkpoint: str | Path, config_path: str | None = None, sets: I
                           f"({len(shapes)} tensors): pass the run's --config")
     load_into(params, state.theta)
     return Trained(cfg, state, path, model.eval(), tokenizer)
+
+
+def _theta_from_shards(state: PeerState, path: Path, params) -> list:
+    """theta whole, from the checkpoint's shard files (each verified against the digest the checkpoint recorded)."""
+    files, digests = ShardFiles(path.parent), state.extra["shard_digests"]
+    flat = torch.cat([files.load(j, state.round, state.fingerprint, d)[0] for j, d in enumerate(digests)])
+    sizes = [p.numel() for p in params]
+    if flat.numel() != sum(sizes):
+        raise ConfigError(f"checkpoint {path} holds {flat.numel()} values, this config's model {sum(sizes)}: pass "
+                          f"the run's --config")
+    return [t.view(p.shape).clone() for t, p in zip(flat.split(sizes), params)]
 
 
 def evaluate_trained(trained: Trained) -> dict:

@@ -93,12 +93,11 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         self.model = build_model(cfg.model, vocab_size(self.tokenizer), cfg.run.seed).to(self.device)
         self.params = list(self.model.parameters())
         self.eval_set = eval_batches(self.tokenizer, cfg.data, cfg.eval.batches)
-        self.outer = outer_mod.OuterOptimizer(outer_mod.snapshot(self.params), cfg.outer.lr, cfg.outer.momentum,
-                                              cfg.outer.nesterov)
+        self.outer = self._build_outer()
         self.theta = self.outer.theta
-        self.round, self.digest = 0, outer_mod.digest(self.theta)
+        self.round, self.digest = 0, self._theta_digest()
         self._state_lock = threading.Lock()  # guards theta/momentum/round against the state-sharing thread
-        self.swarm = swarm_factory(cfg, self.theta, self._state_for_donation)
+        self.swarm = self._build_swarm(swarm_factory)
         self.tokens_trained = self.bytes_sent = self.bytes_received = self.rounds_participated = 0
         self.inner_steps_done = 0
         self.eval_first: float | None = None
@@ -109,6 +108,21 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         self._at_boundary = True  # no inner step since theta(self.round) was set: a consistent checkpoint point
         log.info("model: %d parameters, fingerprint %s", count_parameters(self.model), cfg.fingerprint())
 
+    # ------------------------------------------------------------------------------------- outer state (hooks)
+    # A sharded peer (p2p_diloco/sharded_peer.py) keeps only its shards of theta and overrides these.
+    def _build_outer(self):
+        return outer_mod.OuterOptimizer(outer_mod.snapshot(self.params), self.cfg.outer.lr, self.cfg.outer.momentum,
+                                        self.cfg.outer.nesterov)
+
+    def _build_swarm(self, swarm_factory: Callable[..., Any]):
+        return swarm_factory(self.cfg, self.theta, self._state_for_donation)
+
+    def _theta_digest(self) -> str:
+        return outer_mod.digest(self.theta)
+
+    def _outer_step(self, delta: list[torch.Tensor]) -> None:
+        self.outer.step(delta)
+
     # ------------------------------------------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
         """Join the swarm, train until ``max_rounds`` (or a stop request), and return the summary."""
@@ -117,6 +131,8 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
             if self.on_started:
                 self.on_started(self.swarm)
             self._build_trainer()
+            if self.resumed:
+                self._restore(self.resumed)
             self.swarm.publish(ready=True)  # data and model are built: we can start a round at once
             self._wait_for_peers()
             self._join_swarm()
@@ -151,8 +167,6 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         else:
             self.trainer = InnerTrainer(self.model, self.cfg.train, self.data.next_batch, horizon, self.device)
             self.replica = Replica(self.model, self.trainer, self.cfg.train.autocast)
-        if self.resumed:
-            self._restore(self.resumed)
 
     def _finished(self) -> bool:
         return 0 < self.cfg.run.max_rounds <= self.round
@@ -184,8 +198,8 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         if not self._sync(r, delta, tokens):
             return False
         with self._state_lock:
-            self.outer.step(delta)
-            self.round, self.digest = r + 1, outer_mod.digest(self.theta)
+            self._outer_step(delta)
+            self.round, self.digest = r + 1, self._theta_digest()
         self.rounds_participated += 1
         self.metrics.event("outer_step", self.round, digest=self.digest, inner_steps=steps)
         self._debug_corrupt()
@@ -357,7 +371,7 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
             return
         with self._state_lock:
             self.theta[0].view(-1)[0] += 1e-3
-            self.digest = outer_mod.digest(self.theta)
+            self.digest = self._theta_digest()
         log.warning("debug: corrupted theta after round %d (digest now %s)", self.round, self.digest[:12])
         self.metrics.event("debug_corrupted", self.round, digest=self.digest)
 

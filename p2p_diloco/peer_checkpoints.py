@@ -42,11 +42,12 @@ class PeerCheckpoints:
                  "peer_id": getattr(self.swarm, "peer_id", ""), "config": self.cfg.to_dict(),
                  "optimizer_format": optimizer_format(self.cfg, self.cluster)}
         with self._state_lock:
-            state = PeerState(round=self.round, fingerprint=self.cfg.fingerprint(), global_digest=self.digest,
-                              theta=self.theta, momentum=self.outer.momentum_buffers,
-                              model=self.replica.model_state(), inner_optimizer=self.replica.optimizer_state(),
-                              data=self.data.state_dict(), rng=capture_rng(), extra=extra)
             try:
+                theta, momentum, more = self._outer_for_checkpoint()
+                state = PeerState(round=self.round, fingerprint=self.cfg.fingerprint(), global_digest=self.digest,
+                                  theta=theta, momentum=momentum, model=self.replica.model_state(),
+                                  inner_optimizer=self.replica.optimizer_state(), data=self.data.state_dict(),
+                                  rng=capture_rng(), extra={**extra, **more})
                 path = self.store.save(state)
             except OSError as e:
                 log.error("checkpoint of round %d failed (the previous one is intact): %s", self.round, e)
@@ -54,10 +55,18 @@ class PeerCheckpoints:
         self._saved = (self.round, self.digest)
         self.metrics.event("checkpoint_saved", self.round, path=str(path), digest=self.digest)
 
+    # What holds the outer state in a checkpoint (a sharded peer, sharded_peer.py, keeps it in per-shard files).
+    def _outer_for_checkpoint(self) -> tuple[list, list, dict]:
+        """(theta, momentum, more ``extra``) for the checkpoint; OSError if the outer state cannot be saved."""
+        return self.theta, self.outer.momentum_buffers, {}
+
+    def _restore_outer(self, state: PeerState) -> None:
+        self.outer.load_state_tensors([*state.theta, *state.momentum])
+
     def _restore(self, state: PeerState) -> None:
         """Continue exactly from a checkpoint: outer state, model, inner optimizer, data cursor, RNG, counters."""
         with self._state_lock:
-            self.outer.load_state_tensors([*state.theta, *state.momentum])
+            self._restore_outer(state)
             self.round, self.digest = state.round, state.global_digest
         self.data.load_state_dict(state.data)
         self.replica.restore(state.model, state.inner_optimizer, self.data)

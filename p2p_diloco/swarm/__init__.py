@@ -1,8 +1,8 @@
 """The swarm boundary: the only part of p2p-diloco that imports hivemind.
 
 A :class:`Swarm` owns one ``hivemind.DHT`` and one :class:`~p2p_diloco.swarm.averager.ExactAverager` for the
-whole run (creating and destroying averagers on one DHT kills the DHT within a few cycles, field notes item 7).
-It offers the round protocol exactly the operations it needs:
+whole run, or one per logical shard with ``outer.sharding = "sharded"`` (averaging.py); creating and destroying
+averagers on one DHT kills the DHT within a few cycles (field notes item 7). It offers the round protocol exactly the operations it needs:
 
 * publish this peer's live record (round, digest, phase, progress) every ``heartbeat_period`` seconds, with a
   ``peer_ttl`` expiration, so that every peer can see who is live, in which round, and with which digest
@@ -17,58 +17,23 @@ No coordinator: every decision is taken locally from the DHT records, the same w
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import hivemind
 import torch
-from hivemind.averaging.control import AveragingStage
 from hivemind.utils import get_dht_time
 
 from ..config import Config
-from ..errors import ConfigMismatch, RoundFailed, SwarmError
-from .averager import ExactAverager
-from .compression import compression_for
+from ..errors import ConfigMismatch, SwarmError
+from .averaging import AllReduceResult, Averagers, one_line
 from .identity import Identity, OwnedRecordsValidator, records_by_owner
-from .fastpath import listen_socket
-from ..codecs import get_codec
 from ..processes import descendants, keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
 DHT_CALL_TIMEOUT = 15.0
-
-
-@dataclass
-class AllReduceResult:
-    group_size: int
-    bytes_sent: int
-    bytes_received: int
-    seconds: float
-    gathered: dict[str, Any]
-    assembly_seconds: float = 0.0  # of ``seconds``: matchmaking, until the group was assembled
-
-
-def _one_line(e: BaseException) -> str:
-    """A short single-line reason from hivemind's (often multi-line, timestamped) exception texts."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text)[:300]
-
-
-def _ip4_of(maddrs: Sequence[str]) -> str | None:
-    for m in maddrs:
-        parts = str(m).split("/")
-        if len(parts) > 2 and parts[1] == "ip4":
-            return parts[2]
-    return None
-
-
-def _round_bits(round_: int) -> str:
-    """The round number as hivemind group bits: peers in different rounds use different matchmaking keys."""
-    return format(round_ % (1 << 24), "024b")
 
 
 class Swarm:
@@ -76,17 +41,26 @@ class Swarm:
 
     Args:
         cfg: the run config (``[swarm]`` section, run id and fingerprint are used here).
-        tensors_like: tensors shaped like the pseudo-gradient (fp32, CPU); copied for the averager's buffers.
+        tensors_like: tensors shaped like the pseudo-gradient (fp32, CPU); copied for the averager's buffers. With
+            ``shards``: one tensor per shard, in the order of ``shards``.
         state_provider: returns ``(metadata, tensors)`` for peers that download our state (called from a
-            background thread of this process, so it must take its own lock).
+            background thread of this process, so it must take its own lock). With ``shards``: called with j.
+        shards: ``outer.sharding = "sharded"``: the logical shards this process keeps, one averager each.
+        rank_of: a follower rank of a torchrun peer (sharded mode): the addresses of its rank 0's DHT. Such a
+            swarm only runs a DHT node and the shard averagers: no records, no config check (rank 0 does those).
     """
 
-    def __init__(self, cfg: Config, tensors_like: Sequence[torch.Tensor],
-                 state_provider: Callable[[], tuple[dict, list[torch.Tensor]]]):
+    def __init__(self, cfg: Config, tensors_like: Sequence[torch.Tensor], state_provider: Callable[..., tuple],
+                 shards: Sequence[int] | None = None, rank_of: Sequence[str] | None = None):
         self.cfg, self.sc = cfg, cfg.swarm
         self.run_id, self.fingerprint = cfg.run.run_id, cfg.fingerprint()
-        self._buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in tensors_like]
-        self._state_provider = state_provider
+        if shards is None:
+            self._groups, self._providers = {"": list(tensors_like)}, {"": state_provider}
+        else:
+            self._groups = {f"s{j}": [t] for j, t in zip(shards, tensors_like, strict=True)}
+            self._providers = {f"s{j}": (lambda j=j: state_provider(j)) for j in shards}
+        self.shards = list(shards) if shards is not None else None
+        self.rank_of = list(rank_of) if rank_of is not None else None
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe for concurrent callers
         self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": "join",
                                         "client": self.sc.client_mode}
@@ -94,33 +68,33 @@ class Swarm:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.dht: hivemind.DHT | None = None
-        self.data_address: str | None = None
-        self._p2p_only_round = -1
         self._seen: dict[str, tuple[dict, float]] = {}  # live records read so far, with their DHT expiration
-        self.averager: ExactAverager | None = None
+        self.averagers: Averagers | None = None
         self._owned: set[int] | None = None  # our processes (None until started: then every child is ours)
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the DHT (joining ``swarm.initial_peers``), refuse a mismatched config, start the averager."""
+        """Start the DHT (joining ``swarm.initial_peers``), refuse a mismatched config, start the averager(s)."""
         # Children forked from here (DHT, averager) and the p2pd they exec ignore SIGINT, so Ctrl-C in a terminal
         # reaches only the main process, which then shuts them down in order (see shutdown()).
         keep_freed_memory()  # before the forks: the averager's data plane gains most (see processes.py)
         before = descendants()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        self.identity = Identity(self.sc.identity_path or None)
+        follower = self.rank_of is not None
+        self.identity = Identity(None if follower else (self.sc.identity_path or None))
         try:
             self.dht = hivemind.DHT(
-                initial_peers=self.sc.initial_peers or None, start=True, host_maddrs=self.sc.host_maddrs,
-                announce_maddrs=self.sc.announce_maddrs or None, startup_timeout=self.sc.startup_timeout,
-                await_ready=True, identity_path=self.identity.path, check_if_identity_free=not self.identity.fresh,
-                client_mode=self.sc.client_mode, use_relay=self.sc.use_relay, use_auto_relay=self.sc.use_auto_relay,
+                initial_peers=(self.rank_of if follower else self.sc.initial_peers) or None, start=True,
+                host_maddrs=self.sc.host_maddrs, announce_maddrs=self.sc.announce_maddrs or None,
+                startup_timeout=self.sc.startup_timeout, await_ready=True, identity_path=self.identity.path,
+                check_if_identity_free=not self.identity.fresh, client_mode=self.sc.client_mode,
+                use_relay=self.sc.use_relay, use_auto_relay=self.sc.use_auto_relay,
                 record_validators=[self.identity.validator,
                                    OwnedRecordsValidator([f"{self.run_id}.live", f"{self.run_id}.config"])],
             )
         except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
             reap_children(timeout=5.0)
-            raise SwarmError(f"could not start or join the swarm: {_one_line(e)}") from None
+            raise SwarmError(f"could not start or join the swarm: {one_line(e)}") from None
         finally:
             signal.signal(signal.SIGINT, previous)
             self.identity.close()  # p2pd has read it
@@ -128,46 +102,19 @@ class Swarm:
         try:
             if self.peer_id != self.identity.peer_id:  # our records are signed with the identity p2pd must use
                 raise SwarmError(f"p2pd runs as {self.peer_id}, not as our identity {self.identity.peer_id}")
-            self.check_config()
-            self._start_averager()
-            self._owned = descendants() - before  # DHT, averager, p2pd: what shutdown() stops
-            self._publish_config()
-            self.publish(phase="join")
+            if not follower:
+                self.check_config()
+            self.averagers = Averagers(self.cfg, self.dht, self._groups, self._providers, self.visible_maddrs)
+            self._owned = descendants() - before  # DHT, averager(s), p2pd: what shutdown() stops
+            if not follower:
+                self._publish_config()
+                self.publish(phase="join")
         except BaseException:
             self.shutdown()  # a half-started peer must not leave its DHT/p2pd processes behind
             raise
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        self._heartbeat.start()
-
-    def _start_averager(self) -> None:
-        compression = compression_for(self.cfg.outer.compression)
-        self.averager = ExactAverager(
-            self._buffers, self.dht, start=False, prefix=f"{self.run_id}_{self.fingerprint}",
-            target_group_size=2, min_group_size=2, min_matchmaking_time=self.sc.matchmaking_time,
-            request_timeout=self.sc.request_timeout, allreduce_timeout=self.sc.allreduce_timeout,
-            next_chunk_timeout=self.sc.next_chunk_timeout, part_size_bytes=self.sc.part_size_bytes,
-            compression=compression, declare_state_period=max(5.0, self.sc.peer_ttl), shutdown_timeout=5,
-            client_mode=self.sc.client_mode,
-        )
-        self.averager.state_provider = self._state_provider
-        self.averager.part_delay = self.cfg.debug.part_delay  # copied into the averager process when it forks
-        self.averager.state_delay = self.cfg.debug.state_delay
-        self.averager.codec = get_codec(self.cfg.outer.compression)
-        self.data_address = None
-        if self.sc.transport == "tcp" and not self.sc.client_mode:  # a client cannot accept data connections:
-            self.averager.data_socket, self.data_address = self._open_data_plane()  # its groups use libp2p
-        self.averager.run_in_background(await_ready=True, timeout=self.sc.startup_timeout)
-
-    def _open_data_plane(self):
-        """Listen for direct-TCP all-reduce traffic (see fastpath.py) on the host of our first /ip4 listen address;
-        advertise the announced host if one is given (behind NAT / port forwarding), else the listen host."""
-        bind = _ip4_of(self.sc.host_maddrs) or "127.0.0.1"
-        sock = listen_socket(bind, self.sc.data_port)
-        host = _ip4_of(self.sc.announce_maddrs) or (bind if bind != "0.0.0.0" else _ip4_of(self.visible_maddrs()))
-        if not host or host == "0.0.0.0":
-            sock.close()
-            raise SwarmError("swarm.transport = 'tcp' needs a reachable address: give --announce-maddrs")
-        return sock, f"{host}:{sock.getsockname()[1]}"
+        if not follower:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+            self._heartbeat.start()
 
     def visible_maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -178,18 +125,18 @@ class Swarm:
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.sc.heartbeat_period + 5)
         try:
-            if self.dht is not None and self.dht.is_alive() and self.averager is not None:
+            if (self.dht is not None and self.dht.is_alive() and self.averagers is not None
+                    and self.rank_of is None):
                 self.publish(phase="left", ttl=self.sc.heartbeat_period)
         except Exception as e:  # leaving is best effort; the record also expires by itself
             log.debug("could not publish leave record: %r", e)
-        for part in (self.averager, self.dht):  # averager first: it uses the DHT
-            try:
-                if part is not None and part.is_alive():
-                    part.shutdown()
-            except Exception as e:
-                log.debug("shutdown of %s failed: %r", type(part).__name__, e)
-        if self.averager is not None and self.averager.data_socket is not None:
-            self.averager.data_socket.close()  # our copy; the averager process had its own
+        if self.averagers is not None:  # first: they use the DHT
+            self.averagers.shutdown()
+        try:
+            if self.dht is not None and self.dht.is_alive():
+                self.dht.shutdown()
+        except Exception as e:
+            log.debug("DHT shutdown failed: %r", e)
         reap_children(timeout=5.0, only=self._owned)
 
     # ------------------------------------------------------------------------------------------------- records
@@ -274,8 +221,8 @@ class Swarm:
     def all_reduce(self, round_: int, tensors: Sequence[torch.Tensor], weight: float, group_size: int,
                    gather: dict[str, Any], should_stop: Callable[[], bool] = lambda: False,
                    on_running: Callable[[], None] = lambda: None, matchmaking_time: float | None = None,
-                   allreduce_timeout: float | None = None, matchmaking_timeout: float | None = None
-                   ) -> AllReduceResult:
+                   allreduce_timeout: float | None = None, matchmaking_timeout: float | None = None,
+                   commit: bool = True) -> AllReduceResult:
         """Average ``tensors`` (weighted) with exactly ``group_size`` peers of round ``round_``, in place.
 
         On success every member holds bit-identical averages. On any failure raises :class:`RoundFailed` and
@@ -284,98 +231,40 @@ class Swarm:
         us). ``on_running`` is called once the group is assembled and the tensors start to flow.
         ``matchmaking_time`` and ``allreduce_timeout`` override the ``[swarm]`` constants for this attempt
         (adaptive deadlines, see deadlines.py); ``matchmaking_timeout`` ends the search for a group sooner than
-        the usual ``2 * matchmaking_time``.
+        the usual ``2 * matchmaking_time``. ``commit=False`` leaves the result in the averagers' buffers until
+        :meth:`read_result` (the ranks of a sharded peer first agree that every shard succeeded).
+
+        With ``shards``, ``tensors`` holds one tensor per shard, each averaged in its own shard's group, all at
+        once; any shard failing fails the whole call.
         """
         if weight <= 0:
             raise ValueError("all-reduce weight must be > 0")  # all-zero weights give NaN everywhere
         matchmaking_time = matchmaking_time or self.sc.matchmaking_time
         allreduce_timeout = allreduce_timeout or self.sc.allreduce_timeout
-        self.averager.set_round_params(_round_bits(round_), group_size, timeout=30,
-                                       matchmaking_time=matchmaking_time, allreduce_timeout=allreduce_timeout)
-        with self.averager.get_tensors() as buffers:
-            for buf, t in zip(buffers, tensors, strict=True):
-                buf.copy_(t)
         # hivemind needs the step's timeout to exceed the matchmaking window (it schedules the start after it)
         look = max(min(2 * matchmaking_time, matchmaking_timeout or float("inf")), matchmaking_time + 0.5)
-        t0 = time.monotonic()
-        assembled = [0.0]
+        groups = self._split(tensors)
+        result = self.averagers.all_reduce(round_, groups, weight, group_size, gather, should_stop, on_running,
+                                           matchmaking_time, allreduce_timeout, look)
+        if commit:
+            self.averagers.read_into(groups)
+        return result
 
-        def running() -> None:
-            assembled[0] = time.monotonic() - t0
-            on_running()
+    def read_result(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the last successful :meth:`all_reduce` (made with ``commit=False``) into ``tensors``."""
+        self.averagers.read_into(self._split(tensors))
 
-        if self.data_address and self._p2p_only_round != round_:
-            gather = dict(gather, data=self.data_address)
-        control = self.averager.step(gather=gather, weight=float(weight), timeout=look, allow_retries=False,
-                                     wait=False)
-        try:
-            result = self._wait_step(control, t0 + look + allreduce_timeout + 10, should_stop, running)
-        except BaseException as e:
-            if not control.done():
-                control.cancel()
-            if isinstance(e, KeyboardInterrupt):
-                raise
-            self._wait_step_finished(control, timeout=look + allreduce_timeout)
-            if "cannot connect to member" in str(e) and self._p2p_only_round != round_:
-                # A member's data port is unreachable (NAT, firewall): the rest of this round goes through libp2p.
-                # One member without a data address is enough for the whole group to choose libp2p.
-                log.warning("direct TCP all-reduce failed (%s); using libp2p streams for this round", _one_line(e))
-                self._p2p_only_round = round_
-            raise RoundFailed(_one_line(e)) from None
-        if not result:
-            raise RoundFailed("could not find a group")
-        with self.averager.get_tensors() as buffers:
-            for buf, t in zip(buffers, tensors):
-                t.copy_(buf)
-        gathered = {pid.to_base58(): data for pid, data in result["gathered"].items()}
-        return AllReduceResult(result["group_size"], result.get("bytes_sent", 0), result.get("bytes_received", 0),
-                               time.monotonic() - t0, gathered, assembled[0])
-
-    @staticmethod
-    def _wait_step_finished(control, timeout: float) -> None:
-        """Wait until the averager process is really done with a cancelled or failed step.
-
-        Cancelling only flags the step; the averager notices between its own awaits. Until then the step's
-        matchmaking is alive, and the next attempt's ``set_round_params`` (a smaller group) would retarget it. In
-        one CI run a round-mate applied a pair average with us while our host had cancelled that attempt and our
-        retry then found no group (we caught up by downloading the state); the events fit exactly this window,
-        which this wait closes.
-        """
-        deadline = time.monotonic() + timeout
-        while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
-            time.sleep(0.02)
-        if control.stage != AveragingStage.FINISHED:
-            log.warning("a cancelled all-reduce step did not finish within %.0f s", timeout)
-
-    @staticmethod
-    def _wait_step(control, deadline: float, should_stop: Callable[[], bool], on_running: Callable[[], None]):
-        running = False
-        while True:
-            if should_stop():
-                raise RoundFailed("stopped")
-            if not running and control.began_allreduce:
-                running = True
-                on_running()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("all-reduce step did not finish in time")
-            try:
-                return control.result(timeout=min(0.1, left))
-            except TimeoutError:
-                continue
+    def _split(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        return [[t] for t in tensors] if self.shards is not None else [list(tensors)]
 
     def set_donor_round(self, round_: int) -> None:
         """Peers downloading state prefer the donor in the highest round (a client-mode peer serves no state)."""
         if not self.sc.client_mode:
-            self.averager.state_sharing_priority = float(round_)
+            self.averagers.set_priority(float(round_))
 
-    def download_state(self, peer_id: str) -> tuple[dict, list[torch.Tensor]]:
-        """Download ``(metadata, tensors)`` from the given live peer; raises :class:`RoundFailed` on any failure
-        (the donor died or froze mid-transfer, refused, or sent nothing) within ``swarm.state_timeout``."""
-        try:
-            metadata, tensors = self.averager.download_state(peer_id, timeout=self.sc.state_timeout)
-        except Exception as e:
-            raise RoundFailed(f"state download from {peer_id} failed: {_one_line(e)}") from None
-        if not isinstance(metadata, dict):
-            raise RoundFailed(f"state download from {peer_id} failed: malformed metadata")
-        return metadata, list(tensors)
+    def download_state(self, peer_id: str, shard: int | None = None) -> tuple[dict, list[torch.Tensor]]:
+        """Download ``(metadata, tensors)`` from the given live peer (with ``shard``: that shard's state, from the
+        process of that peer that keeps it); raises :class:`RoundFailed` on any failure (the donor died or froze
+        mid-transfer, refused, or sent nothing) within ``swarm.state_timeout``."""
+        index = 0 if shard is None else self.shards.index(shard)
+        return self.averagers.download(index, peer_id, self.sc.state_timeout)

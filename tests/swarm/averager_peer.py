@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -94,6 +95,7 @@ def main() -> None:
     p.add_argument("--attempts", type=int, default=1)
     p.add_argument("--slow-answers", type=float, default=0.0)
     p.add_argument("--trailing-error", action="store_true")
+    p.add_argument("--no-wait", action="store_true", help="shut down at once after writing the result")
     p.add_argument("--codec", default="none")
     p.add_argument("--transport", choices=["p2p", "tcp"], default="p2p")
     args = p.parse_args()
@@ -149,6 +151,14 @@ def main() -> None:
         out = {"ok": False, "error": errors[-1], "errors": errors, "seconds": time.monotonic() - t0}
     with open(args.out + ".json", "w") as f:
         json.dump(out, f)
+    # Stay up until every member has its result. Our last averaged part is "sent" once it is written to our
+    # p2pd, not once the member has it: shutting p2pd down at once cut that part off (CI: two members applied
+    # the round, and the third, 90 ms later, aborted with "reducer ... failed (1 parts missing)").
+    # (--no-wait: one member is killed mid-way and never writes one.)
+    others = [Path(args.out).with_name(f"p{k}.json") for k in range(args.group_size)]
+    deadline = time.monotonic() + 60
+    while not args.no_wait and time.monotonic() < deadline and not all(path.exists() for path in others):
+        time.sleep(0.1)
     av.shutdown()
     dht.shutdown()
 

@@ -21,13 +21,16 @@ SCRIPT = Path(__file__).with_name("averager_peer.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", transport="p2p", extra=()):
+def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", transport="p2p", extra=(),
+           victim_in_group=False):
     cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out), "--attempts", str(attempts), "--codec", codec,
            "--transport", transport, *extra]
     if initial:
         cmd += ["--initial", *initial]
     if die is not None:
         cmd += ["--die-after-parts", str(die)]
+    if victim_in_group:  # the victim writes no result: nobody waits for it
+        cmd += ["--no-wait"]
     env = dict(os.environ, PYTHONPATH=str(ROOT), P2P_DILOCO_TEST_TAG=tag)
     with open(f"{out}.log", "w") as log:  # hivemind's log, shown when a test fails
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
@@ -37,13 +40,13 @@ def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", t
     """``extra``: {peer index: more averager_peer.py arguments} (the reducer-side test hooks)."""
     extra = extra or {}
     procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec, transport=transport,
-                    extra=extra.get(0, ()))]
+                    extra=extra.get(0, ()), victim_in_group=victim is not None)]
     try:
         line = procs[0].stdout.readline()
         assert line.startswith("MADDRS"), line
         initial = line.split()[1:]
         procs += [_spawn(i, n, tmp_path / f"p{i}", initial, 3 if i == victim else None, tag, attempts, codec,
-                         transport, extra.get(i, ())) for i in range(1, n)]
+                         transport, extra.get(i, ()), victim is not None) for i in range(1, n)]
         deadline = time.monotonic() + timeout
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))

@@ -14,7 +14,8 @@ import torch
 
 from p2p_diloco.checkpoint import CheckpointStore
 from p2p_diloco.launcher import parse_join_line
-from tests.swarm.helpers import FAULT, Proc, events_of, load_json, start_peers, torchrun_args
+from tests.swarm.helpers import (FAULT, Proc, digests_by_round, events_of, load_json, start_peers, torchrun_args,
+                                 wait_for_event)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
 ROUNDS = 3
@@ -77,13 +78,15 @@ def test_mixed_rank_counts_match_one_rank_per_peer(tmp_path, reap):
         assert differ < 0.01 * last_round, (parallelism, differ, last_round)
 
 
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_cluster_peer_resumes_bit_identically(tmp_path, reap, parallelism):
+@pytest.mark.parametrize("parallelism, sharding", [("ddp", "rank0"), ("fsdp", "rank0"), ("fsdp", "sharded")])
+def test_cluster_peer_resumes_bit_identically(tmp_path, reap, parallelism, sharding):
     """A lone 2-rank peer run for 3 rounds == the same peer run for 2 rounds and resumed from its checkpoint to 3:
     the inner optimizer (gathered from the shards under FSDP), the data cursor and the weights reach every rank
-    (the STATE command). The lr horizon is fixed (train.total_steps) so that --max-rounds does not change it."""
-    common = ["--run-id", f"t-cluster-resume-{parallelism}", "--data-seed", "7", *FAULT, "--set",
-              "train.total_steps=60", "--set", f"train.parallelism={parallelism}"]
+    (the STATE command); in sharded mode each rank writes and reads its own shard files (SSAVE, SRESTORE). The lr
+    horizon is fixed (train.total_steps) so that --max-rounds does not change it."""
+    common = ["--run-id", f"t-cluster-resume-{parallelism}-{sharding}", "--data-seed", "7", *FAULT, "--set",
+              "train.total_steps=60", "--set", f"train.parallelism={parallelism}", "--set",
+              f"outer.sharding={sharding}", "--set", "outer.shards=3"]
     python_args = torchrun_args(2)
 
     def lone(name: str, rounds: int, *more: str) -> Proc:
@@ -101,3 +104,55 @@ def test_cluster_peer_resumes_bit_identically(tmp_path, reap, parallelism):
     assert a["global_digest"] == b["global_digest"], "resume did not continue exactly"
     assert a["tokens_trained"] == b["tokens_trained"]
     assert [e["round"] for e in events_of(tmp_path / "resumed", resumed) if e["event"] == "resumed"] == [2]
+    if sharding == "sharded":  # rank 0 kept shards 0 and 2, rank 1 shard 1: files for the kept rounds only
+        names = sorted(p.name for p in (tmp_path / "ckpt" / "shards").iterdir())
+        assert names == [f"shard-{j:04d}-round-{r:08d}.pt" for j in range(3) for r in (1, 2, 3)], names
+        # eval/export assemble theta from the shard files: the digest of what they load is the run's
+        from p2p_diloco.export import load_trained
+        from p2p_diloco.shards import ShardLayout, global_digest, shard_digest
+
+        params = list(load_trained(tmp_path / "ckpt").model.parameters())
+        flat, layout = torch.cat([p.detach().reshape(-1) for p in params]), ShardLayout.of(params, 3)
+        shards = [flat[layout.bounds[j]:layout.bounds[j + 1]].clone() for j in range(3)]
+        assert global_digest([shard_digest(t) for t in shards]) == b["global_digest"]
+
+
+# ------------------------------------------------------------------------------ outer.sharding = "sharded"
+SHARDED = ["--set", "outer.sharding=sharded", "--set", "outer.shards=3"]  # 3: shards cut inside parameters
+
+
+@pytest.mark.timeout(420)
+def test_sharded_peers_of_any_layout_average_and_catch_up(tmp_path, reap):
+    """Sharded outer state: a 1-rank peer (keeps all 3 shards) and a 2-rank FSDP peer (rank 0 keeps shards 0 and 2,
+    rank 1 shard 1) train together; a 2-rank DDP peer joins late and downloads the state shard by shard (each of
+    its ranks from the process of the donor that keeps the shard), then the three average. Every outer step leaves
+    every peer with the same global digest, and only rank 0 speaks."""
+    rounds = 6  # slow enough rounds (6 s) that the late peer, started after round 1, still has rounds to average
+    common = ["--run-id", "t-sharded", "--max-rounds", str(rounds), "--log-dir", str(tmp_path), *FAULT, *SHARDED,
+              "--set", "debug.step_delay=0.3"]
+    first = Proc(["join", *common, "--set", "swarm.min_peers=2", "--summary-json", str(tmp_path / "p0.json")],
+                 reap)
+    maddrs = first.wait_joined()
+    second = Proc(["join", "--initial-peers", *maddrs, *common, "--set", "swarm.min_peers=2", "--set",
+                   "train.parallelism=fsdp", "--summary-json", str(tmp_path / "p1.json")], reap,
+                  python_args=torchrun_args(2))
+    second.wait_joined()
+    wait_for_event(tmp_path / first.peer_id / "events.jsonl",
+                   lambda e: e["event"] == "outer_step" and e["round"] >= 1, 150, first)
+    late = Proc(["join", "--initial-peers", *maddrs, *second.join_maddrs, *common, "--set", "train.parallelism=ddp", "--summary-json",
+                 str(tmp_path / "p2.json")], reap, python_args=torchrun_args(2))
+    procs = [first, second, late]
+    for p in procs:
+        assert p.wait(300) == 0, p.stderr_tail(400)
+    summaries = [load_json(tmp_path / f"p{i}.json") for i in range(3)]
+    assert [s["rounds_completed"] for s in summaries] == [rounds] * 3
+    assert len({s["global_digest"] for s in summaries}) == 1
+    by_round = digests_by_round(tmp_path, procs)
+    assert all(len(d) == 1 for d in by_round.values()), by_round
+    late_events = events_of(tmp_path, late)
+    loaded = [e for e in late_events if e["event"] == "state_loaded"]
+    assert loaded and loaded[0]["round"] >= 1, late_events  # caught up by download, not by training from scratch
+    groups = [e["group_size"] for e in late_events if e["event"] == "allreduce_done"]
+    assert groups and all(g == 3 for g in groups), groups  # after the download: every round with all three
+    for p in procs:
+        assert sum(parse_join_line(line) is not None for line in p.lines) == 1, p.lines

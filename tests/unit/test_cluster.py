@@ -26,6 +26,7 @@ def test_ranks_split_each_batch_into_contiguous_equal_rows():
 @pytest.mark.parametrize("sets, message", [
     (["data.batch_size=6"], "data.batch_size (6) must be a multiple of the number of local ranks (4)"),
     (["outer.overlap=true"], "outer.overlap does not work with several local ranks"),
+    (["outer.sharding=sharded", "outer.shards=3"], "outer.shards (3) must be at least the number of local ranks (4)"),
 ])
 def test_settings_that_cannot_work_with_this_many_ranks(sets, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -35,7 +36,9 @@ def test_settings_that_cannot_work_with_this_many_ranks(sets, message):
 
 @pytest.mark.parametrize("sets, message", [
     (["train.parallelism=zero3"], "train.parallelism must be ddp or fsdp"),
-    (["outer.sharding=sharded"], "outer.sharding must be rank0"),
+    (["outer.sharding=zero"], "outer.sharding must be rank0 or sharded"),
+    (["outer.sharding=sharded", "outer.shards=0"], "outer.shards must be >= 1"),
+    (["outer.sharding=sharded", "outer.overlap=true"], "outer.sharding = sharded does not work with outer.overlap"),
 ])
 def test_unknown_or_unimplemented_modes_are_refused(sets, message):
     with pytest.raises(ConfigError, match=message):
@@ -43,10 +46,14 @@ def test_unknown_or_unimplemented_modes_are_refused(sets, message):
 
 
 def test_rank_layout_is_not_part_of_the_fingerprint():
-    """A 1-rank and an 8-rank peer must be able to average: how a peer lays out its ranks is its own business."""
+    """A 1-rank and an 8-rank peer must be able to average: how a peer lays out its ranks is its own business.
+    The sharding mode and shard count are fingerprinted in sharded mode only (rank0 fingerprints are unchanged)."""
     fields = Config().fingerprint_fields()
-    assert "outer.sharding" not in fields and not any(k.startswith("train.") for k in fields)
-    assert "outer.lr" in fields
+    assert "outer.sharding" not in fields and "outer.shards" not in fields
+    assert not any(k.startswith("train.") for k in fields) and "outer.lr" in fields
+    sharded = load_config(sets=["outer.sharding=sharded"])
+    assert sharded.fingerprint_fields()["outer.shards"] == 8 and sharded.fingerprint() != Config().fingerprint()
+    assert load_config(sets=["outer.sharding=sharded", "outer.shards=4"]).fingerprint() != sharded.fingerprint()
 
 
 def test_peer_profiles_parse_and_the_8_gpu_config_fits_8_ranks():

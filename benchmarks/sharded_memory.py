@@ -1,0 +1,119 @@
+"""Where the outer state lives: peak memory of each local rank in ``outer.sharding = "rank0"`` vs ``"sharded"``.
+
+Two peers of K = 2 ranks (torchrun, gloo, DDP) train the 12.9M-parameter model of benchmarks/scale.py for 2 rounds,
+once per mode, side by side in one run of this script. For each rank of peer 0 the peak PSS (proportional set
+size: hivemind's shared-memory copies are counted once) of the rank's process and everything it started (its
+DHT, averagers and p2pd), sampled every 0.2 s, is reported in MiB and per parameter.
+
+In ``rank0`` mode rank 0 holds theta, the momentum, the pseudo-gradient and the averager's copies for the whole
+model; in ``sharded`` mode (``outer.shards = 2``) each rank holds them for its half. The figure to look at is
+rank 0's peak, and the spread between the ranks.
+
+Last line: ``rank0_peak_ratio_sharded_over_rank0=<x>``. Usage: ``python benchmarks/sharded_memory.py`` (about 3
+minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale import COMMON, SIZES  # noqa: E402 (the same model and settings as benchmarks/scale.py)
+
+from p2p_diloco.config import load_config  # noqa: E402
+from p2p_diloco.launcher import parse_join_line  # noqa: E402
+from p2p_diloco.model import build_model, count_parameters  # noqa: E402
+from p2p_diloco.tokenizer import build_tokenizer, vocab_size  # noqa: E402
+
+SETS = [*SIZES["large"], *COMMON, "swarm.min_peers=2", "outer.shards=2"]
+
+
+def _rank_of(proc: psutil.Process) -> int | None:
+    try:
+        return int(proc.environ().get("LOCAL_RANK", ""))
+    except (ValueError, psutil.Error):
+        return None
+
+
+def _sample(agent: psutil.Process, peaks: dict[int, int], done: threading.Event) -> None:
+    """Peak PSS of each rank's process tree (the torchrun agent's children are the ranks)."""
+    while not done.is_set():
+        try:
+            ranks = {r: p for p in agent.children() if (r := _rank_of(p)) is not None}
+        except psutil.Error:
+            ranks = {}
+        for r, p in ranks.items():
+            total = 0
+            try:
+                tree = [p, *p.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for q in tree:
+                try:
+                    total += q.memory_full_info().pss
+                except psutil.Error:
+                    pass
+            peaks[r] = max(peaks.get(r, 0), total)
+        done.wait(0.2)
+
+
+def run_mode(mode: str, tmp: Path) -> dict[int, int]:
+    """Two 2-rank peers in ``mode``; the peak PSS of each rank of peer 0."""
+    run_id = f"shmem-{mode}-{int(time.time())}"
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+            "p2p_diloco", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, "--max-rounds", "2",
+            "--inner-steps", "5", "--data-seed", "1"]
+    for item in [*SETS, f"outer.sharding={mode}"]:
+        base += ["--set", item]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    first = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=open(tmp / f"{mode}-0.log", "w"), text=True,
+                             env=env)
+    peaks: dict[int, int] = {}
+    done = threading.Event()
+    sampler = threading.Thread(target=_sample, args=(psutil.Process(first.pid), peaks, done), daemon=True)
+    sampler.start()
+    maddrs = None
+    for line in first.stdout:
+        parsed = parse_join_line(line)
+        if parsed:
+            maddrs = parsed[0]
+            break
+    if maddrs is None:
+        raise SystemExit(f"{mode}: no join line; see {tmp / f'{mode}-0.log'}")
+    second = subprocess.Popen([*base, "--initial-peers", *maddrs], stdout=subprocess.DEVNULL,
+                              stderr=open(tmp / f"{mode}-1.log", "w"), env=env)
+    codes = (first.wait(600), second.wait(600))
+    done.set()
+    sampler.join()
+    if codes != (0, 0):
+        raise SystemExit(f"{mode}: peers exited with {codes}; see the logs in {tmp}")
+    return peaks
+
+
+def main() -> None:
+    cfg = load_config(sets=SETS)
+    n = count_parameters(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), 0))
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        for mode in ("rank0", "sharded"):
+            results[mode] = run_mode(mode, Path(d))
+    print(f"peak PSS of each rank of a 2-rank peer (DDP), {n:,} parameters, 2 peers, 2 rounds:")
+    for mode, peaks in results.items():
+        cells = ", ".join(f"rank {r} {v / 2**20:.0f} MiB ({v / n:.1f} B/param)" for r, v in sorted(peaks.items()))
+        print(f"   {mode:<8} {cells}")
+    ratio = results["sharded"][0] / results["rank0"][0]
+    moved = (results["rank0"][0] - results["sharded"][0]) / n
+    print(f"rank 0 holds {moved:.1f} B/param less in sharded mode")
+    print(f"rank0_peak_ratio_sharded_over_rank0={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The averagers of one process: all-reduce and state download on top of :class:`ExactAverager`.
+
+In ``outer.sharding = "rank0"`` mode a peer has one averager for the whole pseudo-gradient. In ``"sharded"`` mode
+each local rank has one averager per logical shard it keeps (``p2p_diloco/shards.py``), under the key
+``<run>_<fingerprint>_s<j>``, so shard j meets shard j of every other peer whatever their rank layouts. A round's
+all-reduce runs the steps of all of this process's averagers at once and succeeds only if every one of them
+does; the result stays in the averagers' buffers until :meth:`Averagers.read_into`, so that the ranks of a peer
+can first agree that all of them succeeded (all or nothing across shards).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from hivemind.averaging.control import AveragingStage
+
+from ..codecs import get_codec
+from ..errors import RoundFailed, SwarmError
+from .averager import ExactAverager
+from .compression import compression_for
+from .fastpath import listen_socket
+
+log = logging.getLogger("p2p_diloco.swarm")
+
+
+@dataclass
+class AllReduceResult:
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    gathered: dict[str, Any]
+    assembly_seconds: float = 0.0  # of ``seconds``: matchmaking, until the group was assembled
+
+
+def round_bits(round_: int) -> str:
+    """The round number as hivemind group bits: peers in different rounds use different matchmaking keys."""
+    return format(round_ % (1 << 24), "024b")
+
+
+def ip4_of(maddrs: Sequence[str]) -> str | None:
+    for m in maddrs:
+        parts = str(m).split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+    return None
+
+
+def one_line(e: BaseException) -> str:
+    """A short single-line reason from hivemind's (often multi-line, timestamped) exception texts."""
+    import re
+
+    text = " ".join(str(e).split()) or type(e).__name__
+    return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text)[:300]
+
+
+class Averagers:
+    """One :class:`ExactAverager` per group of tensors (one group: rank0 mode; one per shard: sharded mode).
+
+    Args:
+        cfg: the run config.
+        dht: the started hivemind DHT of this process.
+        groups: ``{key suffix: tensors shaped like that averager's input}`` ("" = the whole pseudo-gradient).
+        state_providers: ``{key suffix: () -> (metadata, tensors)}`` for peers that download state from us.
+        visible_maddrs: this DHT's addresses (the data plane listens on the same host).
+    """
+
+    def __init__(self, cfg, dht, groups: dict[str, Sequence[torch.Tensor]],
+                 state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]],
+                 visible_maddrs: Callable[[], list[str]]):
+        self.cfg, self.sc = cfg, cfg.swarm
+        self.keys = list(groups)
+        self.list: list[ExactAverager] = []
+        self.addresses: list[str | None] = []
+        self.p2p_only_round = -1
+        prefix = f"{cfg.run.run_id}_{cfg.fingerprint()}"
+        for n, key in enumerate(self.keys):
+            buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in groups[key]]
+            averager = ExactAverager(
+                buffers, dht, start=False, prefix=prefix + (f"_{key}" if key else ""),
+                target_group_size=2, min_group_size=2, min_matchmaking_time=self.sc.matchmaking_time,
+                request_timeout=self.sc.request_timeout, allreduce_timeout=self.sc.allreduce_timeout,
+                next_chunk_timeout=self.sc.next_chunk_timeout, part_size_bytes=self.sc.part_size_bytes,
+                compression=compression_for(cfg.outer.compression), declare_state_period=max(5.0, self.sc.peer_ttl),
+                shutdown_timeout=5, client_mode=self.sc.client_mode,
+            )
+            averager.state_provider = state_providers[key]
+            averager.part_delay = cfg.debug.part_delay  # copied into the averager process when it forks
+            averager.state_delay = cfg.debug.state_delay
+            averager.codec = get_codec(cfg.outer.compression)
+            address = None
+            if self.sc.transport == "tcp" and not self.sc.client_mode:  # a client cannot accept data connections:
+                port = self.sc.data_port + n if self.sc.data_port else 0  # its groups use libp2p
+                averager.data_socket, address = self._open_data_plane(port, visible_maddrs)
+            self.list.append(averager)
+            self.addresses.append(address)
+            averager.run_in_background(await_ready=True, timeout=self.sc.startup_timeout)
+
+    def _open_data_plane(self, port: int, visible_maddrs):
+        """Listen for direct-TCP all-reduce traffic (see fastpath.py) on the host of our first /ip4 listen address;
+        advertise the announced host if one is given (behind NAT / port forwarding), else the listen host."""
+        bind = ip4_of(self.sc.host_maddrs) or "127.0.0.1"
+        sock = listen_socket(bind, port)
+        host = ip4_of(self.sc.announce_maddrs) or (bind if bind != "0.0.0.0" else ip4_of(visible_maddrs()))
+        if not host or host == "0.0.0.0":
+            sock.close()
+            raise SwarmError("swarm.transport = 'tcp' needs a reachable address: give --announce-maddrs")
+        return sock, f"{host}:{sock.getsockname()[1]}"
+
+    def shutdown(self) -> None:
+        for averager in self.list:
+            try:
+                if averager.is_alive():
+                    averager.shutdown()
+            except Exception as e:
+                log.debug("averager shutdown failed: %r", e)
+            if averager.data_socket is not None:
+                averager.data_socket.close()  # our copy; the averager process had its own
+
+    def set_priority(self, value: float) -> None:
+        for averager in self.list:
+            averager.state_sharing_priority = value
+
+    # ---------------------------------------------------------------------------------------------- averaging
+    def all_reduce(self, round_: int, groups: Sequence[Sequence[torch.Tensor]], weight: float, group_size: int,
+                   gather: dict[str, Any], should_stop: Callable[[], bool], on_running: Callable[[], None],
+                   matchmaking_time: float, allreduce_timeout: float, look: float) -> AllReduceResult:
+        """Average each group of tensors with its averager's group of exactly ``group_size`` peers, all at once.
+
+        Raises :class:`RoundFailed` if any step fails (the others are cancelled and waited for). On success the
+        averages are in the averagers' buffers (:meth:`read_into`); the input tensors are never touched here.
+        """
+        controls = []
+        t0 = time.monotonic()
+        for averager, tensors, address in zip(self.list, groups, self.addresses, strict=True):
+            averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
+                                      allreduce_timeout=allreduce_timeout)
+            with averager.get_tensors() as buffers:
+                for buf, t in zip(buffers, tensors, strict=True):
+                    buf.copy_(t)
+            mine = dict(gather, data=address) if address and self.p2p_only_round != round_ else gather
+            controls.append(averager.step(gather=mine, weight=float(weight), timeout=look, allow_retries=False,
+                                          wait=False))
+            gather = {"round": gather.get("round")}  # the other shards' members need no more than that
+        assembled = [0.0]
+
+        def running() -> None:
+            assembled[0] = time.monotonic() - t0
+            on_running()
+
+        results = []
+        try:
+            for control in controls:
+                results.append(_wait_step(control, t0 + look + allreduce_timeout + 10, should_stop, running))
+                running = lambda: None  # noqa: E731 (once, when the first group starts)
+        except BaseException as e:
+            for control in controls:
+                if not control.done():
+                    control.cancel()
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            for control in controls:
+                _wait_step_finished(control, timeout=look + allreduce_timeout)
+            if "cannot connect to member" in str(e) and self.p2p_only_round != round_:
+                # A member's data port is unreachable (NAT, firewall): the rest of this round goes through libp2p.
+                # One member without a data address is enough for the whole group to choose libp2p.
+                log.warning("direct TCP all-reduce failed (%s); using libp2p streams for this round", one_line(e))
+                self.p2p_only_round = round_
+            raise RoundFailed(one_line(e)) from None
+        if not all(results):
+            raise RoundFailed("could not find a group")
+        sizes = {r["group_size"] for r in results}
+        if len(sizes) != 1:  # each averager was told the size; a mismatch would mean a partial round
+            raise RoundFailed(f"shard groups of different sizes {sorted(sizes)}")
+        gathered = {pid.to_base58(): data for pid, data in results[0]["gathered"].items()}
+        return AllReduceResult(results[0]["group_size"], sum(r.get("bytes_sent", 0) for r in results),
+                               sum(r.get("bytes_received", 0) for r in results), time.monotonic() - t0, gathered,
+                               assembled[0])
+
+    def read_into(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
+        """Copy the last successful all-reduce's averages into ``groups``."""
+        for averager, tensors in zip(self.list, groups, strict=True):
+            with averager.get_tensors() as buffers:
+                for buf, t in zip(buffers, tensors, strict=True):
+                    t.copy_(buf)
+
+    def download(self, index: int, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]]:
+        """(metadata, tensors) from averager ``index``'s counterpart on ``peer_id``; RoundFailed on any failure."""
+        try:
+            metadata, tensors = self.list[index].download_state(peer_id, timeout=timeout)
+        except Exception as e:
+            raise RoundFailed(f"state download from {peer_id} failed: {one_line(e)}") from None
+        if not isinstance(metadata, dict):
+            raise RoundFailed(f"state download from {peer_id} failed: malformed metadata")
+        return metadata, list(tensors)
+
+
+def _wait_step_finished(control, timeout: float) -> None:
+    """Wait until the averager process is really done with a cancelled or failed step.
+
+    Cancelling only flags the step; the averager notices between its own awaits. Until then the step's
+    matchmaking is alive, and the next attempt's ``set_round_params`` (a smaller group) would retarget it. In
+    one CI run a round-mate applied a pair average with us while our host had cancelled that attempt and our
+    retry then found no group (we caught up by downloading the state); the events fit exactly this window,
+    which this wait closes.
+    """
+    deadline = time.monotonic() + timeout
+    while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if control.stage != AveragingStage.FINISHED:
+        log.warning("a cancelled all-reduce step did not finish within %.0f s", timeout)
+
+
+def _wait_step(control, deadline: float, should_stop: Callable[[], bool], on_running: Callable[[], None]):
+    running = False
+    while True:
+        if should_stop():
+            raise RoundFailed("stopped")
+        if not running and control.began_allreduce:
+            running = True
+            on_running()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("all-reduce step did not finish in time")
+        try:
+            return control.result(timeout=min(0.1, left))
+        except TimeoutError:
+            continue
