@@ -1,15 +1,16 @@
 """Where the outer state lives: peak memory of each local rank in ``outer.sharding = "rank0"`` vs ``"sharded"``.
 
-Two peers of K = 2 ranks (torchrun, gloo, DDP) train the 12.9M-parameter model of benchmarks/scale.py for 2 rounds,
-once per mode, side by side in one run of this script. For each rank of peer 0 the peak PSS (proportional set
-size: hivemind's shared-memory copies are counted once) of the rank's process and everything it started (its
-DHT, averagers and p2pd), sampled every 0.2 s, is reported in MiB and per parameter.
+Two peers of K = 2 ranks (torchrun, gloo, DDP) train the 3.3M- and the 12.9M-parameter models of
+benchmarks/scale.py for 2 rounds, in each mode, all in one run of this script. For each rank of peer 0 the peak
+PSS (proportional set size: hivemind's shared-memory copies are counted once) of the rank's process and
+everything it started (its DHT, averagers and p2pd), sampled every 0.2 s, is taken; the slope between the two
+model sizes is what one more parameter costs that rank (fixed costs, a few hundred MiB per process, cancel out).
 
 In ``rank0`` mode rank 0 holds theta, the momentum, the pseudo-gradient and the averager's copies for the whole
-model; in ``sharded`` mode (``outer.shards = 2``) each rank holds them for its half. The figure to look at is
-rank 0's peak, and the spread between the ranks.
+model; in ``sharded`` mode (``outer.shards = 2``) each rank holds them for its half. The figures to look at are
+rank 0's slope in each mode, and the two ranks' slopes in sharded mode.
 
-Last line: ``rank0_peak_ratio_sharded_over_rank0=<x>``. Usage: ``python benchmarks/sharded_memory.py`` (about 3
+Last line: ``rank0_slope_ratio_sharded_over_rank0=<x>``. Usage: ``python benchmarks/sharded_memory.py`` (about 6
 minutes on 2 cores).
 """
 
@@ -33,7 +34,7 @@ from p2p_diloco.launcher import parse_join_line  # noqa: E402
 from p2p_diloco.model import build_model, count_parameters  # noqa: E402
 from p2p_diloco.tokenizer import build_tokenizer, vocab_size  # noqa: E402
 
-SETS = [*SIZES["large"], *COMMON, "swarm.min_peers=2", "outer.shards=2"]
+SETS = [*COMMON, "swarm.min_peers=2", "outer.shards=2"]
 
 
 def _rank_of(proc: psutil.Process) -> int | None:
@@ -65,13 +66,13 @@ def _sample(agent: psutil.Process, peaks: dict[int, int], done: threading.Event)
         done.wait(0.2)
 
 
-def run_mode(mode: str, tmp: Path) -> dict[int, int]:
-    """Two 2-rank peers in ``mode``; the peak PSS of each rank of peer 0."""
-    run_id = f"shmem-{mode}-{int(time.time())}"
+def run_mode(mode: str, size: str, tmp: Path) -> dict[int, int]:
+    """Two 2-rank peers in ``mode`` with the ``size`` model; the peak PSS of each rank of peer 0."""
+    run_id = f"shmem-{mode}-{size}-{int(time.time())}"
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
             "p2p_diloco", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, "--max-rounds", "2",
             "--inner-steps", "5", "--data-seed", "1"]
-    for item in [*SETS, f"outer.sharding={mode}"]:
+    for item in [*SIZES[size], *SETS, f"outer.sharding={mode}"]:
         base += ["--set", item]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     first = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=open(tmp / f"{mode}-0.log", "w"), text=True,
@@ -98,21 +99,29 @@ def run_mode(mode: str, tmp: Path) -> dict[int, int]:
     return peaks
 
 
+def _params(size: str) -> int:
+    cfg = load_config(sets=[*SIZES[size], *SETS])
+    return count_parameters(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), 0))
+
+
 def main() -> None:
-    cfg = load_config(sets=SETS)
-    n = count_parameters(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), 0))
-    results = {}
+    sizes = {size: _params(size) for size in ("small", "large")}
+    peaks = {}
     with tempfile.TemporaryDirectory() as d:
-        for mode in ("rank0", "sharded"):
-            results[mode] = run_mode(mode, Path(d))
-    print(f"peak PSS of each rank of a 2-rank peer (DDP), {n:,} parameters, 2 peers, 2 rounds:")
-    for mode, peaks in results.items():
-        cells = ", ".join(f"rank {r} {v / 2**20:.0f} MiB ({v / n:.1f} B/param)" for r, v in sorted(peaks.items()))
-        print(f"   {mode:<8} {cells}")
-    ratio = results["sharded"][0] / results["rank0"][0]
-    moved = (results["rank0"][0] - results["sharded"][0]) / n
-    print(f"rank 0 holds {moved:.1f} B/param less in sharded mode")
-    print(f"rank0_peak_ratio_sharded_over_rank0={ratio:.3f}")
+        for mode in ("rank0", "sharded"):  # the two modes alternate per size, so a drift of the VM hits both
+            for size in sizes:
+                peaks[mode, size] = run_mode(mode, size, Path(d))
+    print(f"peak PSS of each rank of a 2-rank peer (DDP), 2 peers, 2 rounds; {sizes['small']:,} and "
+          f"{sizes['large']:,} parameters:")
+    slopes = {}
+    for mode in ("rank0", "sharded"):
+        cells = []
+        for r in (0, 1):
+            small, large = peaks[mode, "small"][r], peaks[mode, "large"][r]
+            slopes[mode, r] = (large - small) / (sizes["large"] - sizes["small"])
+            cells.append(f"rank {r} {small / 2**20:.0f} -> {large / 2**20:.0f} MiB, slope {slopes[mode, r]:.1f} B/param")
+        print(f"   {mode:<8} " + "; ".join(cells))
+    print(f"rank0_slope_ratio_sharded_over_rank0={slopes['sharded', 0] / slopes['rank0', 0]:.3f}")
 
 
 if __name__ == "__main__":

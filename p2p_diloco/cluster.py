@@ -272,12 +272,14 @@ def follow(cfg: Config, cluster: Cluster) -> None:
     """A follower rank's whole life: build the model and data as rank 0 does, then obey its commands."""
     from .data import PackedStream, eval_batches
     from .model import build_model
+    from .processes import keep_freed_memory
     from .tokenizer import build_tokenizer, vocab_size
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when to stop (see the module docstring)
         signal.signal(sig, lambda *_: log.info("rank %d: stop requested; rank 0 will send STOP", cluster.rank))
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
+    keep_freed_memory()  # the allocator policy of rank 0 (swarm/__init__.py), so that every rank behaves alike
     tokenizer = build_tokenizer(cfg.tokenizer)
     model = build_model(cfg.model, vocab_size(tokenizer), cfg.run.seed).to(cluster.device)
     params = list(model.parameters())

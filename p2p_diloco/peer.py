@@ -123,6 +123,9 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
     def _outer_step(self, delta: list[torch.Tensor]) -> None:
         self.outer.step(delta)
 
+    def _delta_buffers(self) -> list[torch.Tensor]:
+        return [torch.empty_like(t) for t in self.theta]
+
     # ------------------------------------------------------------------------------------------------ driver
     def run(self) -> dict[str, Any]:
         """Join the swarm, train until ``max_rounds`` (or a stop request), and return the summary."""
@@ -187,7 +190,7 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         tokens, steps = self._train_inner(r)
         if self.stop.is_set():
             return
-        delta = [torch.empty_like(t) for t in self.theta]
+        delta = self._delta_buffers()
         self.replica.pseudo_gradient(self.theta, delta)
         self._sync_and_step(r, delta, tokens, steps)
         self._boundary()

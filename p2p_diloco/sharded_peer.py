@@ -53,7 +53,8 @@ class _ShardedReplica:
 
     def pseudo_gradient(self, theta, out) -> None:
         for o, d in zip(out, self._rank.pseudo_gradient(self._base.params), strict=True):
-            o.copy_(d)
+            if o is not d:  # (the peer passes the ranks' own buffers: ShardedPeer._delta_buffers)
+                o.copy_(d)
 
     def load(self, theta) -> None:
         self._rank.load(self._base.params)
@@ -73,6 +74,9 @@ class ShardedPeer(Peer):
 
     def _theta_digest(self) -> str:
         return self.shards.outer.local_digest()
+
+    def _delta_buffers(self) -> list[torch.Tensor]:
+        return self.shards.delta  # no second copy: the all-reduce and the outer step use these
 
     def _outer_step(self, delta: list[torch.Tensor]) -> None:
         self.shards.step(self.round + 1)  # delta is the ranks' own buffers (ShardedRank.delta)
