@@ -1,8 +1,8 @@
 """Where the outer state lives: peak memory of each local rank in ``outer.sharding = "rank0"`` vs ``"sharded"``.
 
-Two peers of K = 2 ranks (torchrun, gloo, DDP) train the 3.3M- and the 12.9M-parameter models of
-benchmarks/scale.py for 2 rounds, in each mode, all in one run of this script. For each rank of peer 0 the peak
-PSS (proportional set size: hivemind's shared-memory copies are counted once) of the rank's process and
+Two peers of K = 2 ranks (torchrun, gloo, DDP or ``--parallelism fsdp``) train the 3.3M- and the 12.9M-parameter
+models of benchmarks/scale.py for 2 rounds, in each mode, all in one run of this script. For each rank of peer 0
+the peak PSS (proportional set size: hivemind's shared-memory copies are counted once) of the rank's process and
 everything it started (its DHT, averagers and p2pd), sampled every 0.2 s, is taken; the slope between the two
 model sizes is what one more parameter costs that rank (fixed costs, a few hundred MiB per process, cancel out).
 
@@ -66,13 +66,13 @@ def _sample(agent: psutil.Process, peaks: dict[int, int], done: threading.Event)
         done.wait(0.2)
 
 
-def run_mode(mode: str, size: str, tmp: Path) -> dict[int, int]:
+def run_mode(mode: str, size: str, tmp: Path, parallelism: str = "ddp") -> dict[int, int]:
     """Two 2-rank peers in ``mode`` with the ``size`` model; the peak PSS of each rank of peer 0."""
     run_id = f"shmem-{mode}-{size}-{int(time.time())}"
     base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
             "p2p_diloco", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, "--max-rounds", "2",
             "--inner-steps", "5", "--data-seed", "1"]
-    for item in [*SIZES[size], *SETS, f"outer.sharding={mode}"]:
+    for item in [*SIZES[size], *SETS, f"outer.sharding={mode}", f"train.parallelism={parallelism}"]:
         base += ["--set", item]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     first = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=open(tmp / f"{mode}-0.log", "w"), text=True,
@@ -105,13 +105,18 @@ def _params(size: str) -> int:
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--parallelism", choices=["ddp", "fsdp"], default="ddp", help="inside each peer")
+    args = ap.parse_args()
     sizes = {size: _params(size) for size in ("small", "large")}
     peaks = {}
     with tempfile.TemporaryDirectory() as d:
         for mode in ("rank0", "sharded"):  # the two modes alternate per size, so a drift of the VM hits both
             for size in sizes:
-                peaks[mode, size] = run_mode(mode, size, Path(d))
-    print(f"peak PSS of each rank of a 2-rank peer (DDP), 2 peers, 2 rounds; {sizes['small']:,} and "
+                peaks[mode, size] = run_mode(mode, size, Path(d), args.parallelism)
+    print(f"peak PSS of each rank of a 2-rank peer ({args.parallelism}), 2 peers, 2 rounds; {sizes['small']:,} and "
           f"{sizes['large']:,} parameters:")
     slopes = {}
     for mode in ("rank0", "sharded"):
@@ -119,7 +124,8 @@ def main() -> None:
         for r in (0, 1):
             small, large = peaks[mode, "small"][r], peaks[mode, "large"][r]
             slopes[mode, r] = (large - small) / (sizes["large"] - sizes["small"])
-            cells.append(f"rank {r} {small / 2**20:.0f} -> {large / 2**20:.0f} MiB, slope {slopes[mode, r]:.1f} B/param")
+            cells.append(f"rank {r} {small / 2**20:.0f} -> {large / 2**20:.0f} MiB, "
+                         f"slope {slopes[mode, r]:.1f} B/param")
         print(f"   {mode:<8} " + "; ".join(cells))
     print(f"rank0_slope_ratio_sharded_over_rank0={slopes['sharded', 0] / slopes['rank0', 0]:.3f}")
 

@@ -224,7 +224,7 @@ class ShardedOuter:
         if digest is not None and meta.get("digest") != digest:
             return f"digest {str(meta.get('digest'))[:12]} is not the majority's {digest[:12]}"
         size = self.layout.size(j)
-        if len(tensors) != 2 or any(tuple(t.shape) != (size,) for t in tensors):
+        if len(tensors) != 2 or any(not isinstance(t, torch.Tensor) or tuple(t.shape) != (size,) for t in tensors):
             return "wrong shapes"
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             return "non-finite values"

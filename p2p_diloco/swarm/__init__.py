@@ -2,7 +2,8 @@
 
 A :class:`Swarm` owns one ``hivemind.DHT`` and one :class:`~p2p_diloco.swarm.averager.ExactAverager` for the
 whole run, or one per logical shard with ``outer.sharding = "sharded"`` (averaging.py); creating and destroying
-averagers on one DHT kills the DHT within a few cycles (field notes item 7). It offers the round protocol exactly the operations it needs:
+averagers on one DHT kills the DHT within a few cycles (field notes item 7). It offers the round protocol exactly
+the operations it needs:
 
 * publish this peer's live record (round, digest, phase, progress) every ``heartbeat_period`` seconds, with a
   ``peer_ttl`` expiration, so that every peer can see who is live, in which round, and with which digest

@@ -139,8 +139,8 @@ def test_sharded_peers_of_any_layout_average_and_catch_up(tmp_path, reap):
     second.wait_joined()
     wait_for_event(tmp_path / first.peer_id / "events.jsonl",
                    lambda e: e["event"] == "outer_step" and e["round"] >= 1, 150, first)
-    late = Proc(["join", "--initial-peers", *maddrs, *second.join_maddrs, *common, "--set", "train.parallelism=ddp", "--summary-json",
-                 str(tmp_path / "p2.json")], reap, python_args=torchrun_args(2))
+    late = Proc(["join", "--initial-peers", *maddrs, *second.join_maddrs, *common, "--set", "train.parallelism=ddp",
+                 "--summary-json", str(tmp_path / "p2.json")], reap, python_args=torchrun_args(2))
     procs = [first, second, late]
     for p in procs:
         assert p.wait(300) == 0, p.stderr_tail(400)

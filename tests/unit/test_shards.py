@@ -92,6 +92,7 @@ def test_a_downloaded_shard_is_checked_before_use():
     bad[0][0] = float("nan")
     assert "non-finite" in taker.check_download(1, meta, bad, "fp", 4, None, False)
     assert "shapes" in taker.check_download(1, meta, [tensors[0][:-1], tensors[1]], "fp", 4, None, False)
+    assert "shapes" in taker.check_download(1, meta, [tensors[0], "not a tensor"], "fp", 4, None, False)
     taker.load({j: donor.donation(j, "fp")[1] for j in range(3)}, 4, donor.digests)
     assert taker.digest == donor.digest == taker.refresh_digests() and taker.round == 4
 
