@@ -76,8 +76,13 @@ def _add_join_parser(sub) -> None:
     join.add_argument("--metrics", nargs="+", default=["jsonl"], metavar="SINK",
                       help="jsonl (events.jsonl, default), tensorboard, wandb (offline unless WANDB_MODE): "
                            "any of them, under --log-dir")
+    join.add_argument("--allowed-peers", nargs="+", metavar="ID_OR_FILE",
+                      help="a private run: only these peer ids (or files of them) may average with us or download "
+                           "our state (docs/security.md)")
     join.add_argument("--debug-step-delay", type=float, metavar="SECONDS",
                       help="test only: sleep this long after every inner step (a slow peer)")
+    join.add_argument("--debug-corrupt-pseudo-gradient", metavar="nan|scale:<k>|random",
+                      help="test only: a malicious peer that sends a corrupted pseudo-gradient every round")
     _add_config_args(join)
 
 
@@ -138,6 +143,8 @@ def load_join_config(args: argparse.Namespace):
     flags: dict[str, dict] = {"run": {}, "train": {}, "data": {}, "swarm": {}, "checkpoint": {}, "debug": {}}
     if isinstance(getattr(args, "debug_step_delay", None), float):
         flags["debug"]["step_delay"] = args.debug_step_delay
+    if getattr(args, "debug_corrupt_pseudo_gradient", None) is not None:
+        flags["debug"]["corrupt_pseudo_gradient"] = args.debug_corrupt_pseudo_gradient
     if getattr(args, "checkpoint_dir", None) is not None:
         flags["checkpoint"]["dir"] = args.checkpoint_dir
     if getattr(args, "resume", False):
@@ -158,13 +165,16 @@ def load_join_config(args: argparse.Namespace):
     for name in ("identity_path", "client_mode", "use_relay", "use_auto_relay", "startup_timeout"):
         if getattr(args, name, None) is not None:
             flags["swarm"][name] = getattr(args, name)
-    for name in ("host_maddrs", "announce_maddrs"):
+    for name in ("host_maddrs", "announce_maddrs", "allowed_peers"):
         if getattr(args, name, None) is not None:
             flags["swarm"][name] = getattr(args, name)
     apply_overrides(cfg, flags)
     cfg.swarm.initial_peers = [validate_maddr(m, need_peer_id=True) for m in cfg.swarm.initial_peers]
     cfg.swarm.host_maddrs = [validate_maddr(m, need_peer_id=False) for m in cfg.swarm.host_maddrs]
     cfg.swarm.announce_maddrs = [validate_maddr(m, need_peer_id=False) for m in cfg.swarm.announce_maddrs]
+    from .swarm.allowlist import resolve_allowed_peers
+
+    resolve_allowed_peers(cfg.swarm.allowed_peers)  # a bad entry is a one-line error now, not after the data is built
     if cfg.swarm.client_mode and not cfg.swarm.initial_peers:
         raise UsageError("--client-mode needs --initial-peers: a peer nobody can reach cannot start a swarm")
     return cfg

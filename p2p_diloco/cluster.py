@@ -165,6 +165,9 @@ def check(cfg: Config, world: int) -> None:
         raise ConfigError("outer.overlap does not work with several local ranks yet")
     if cfg.outer.sharding == "sharded" and cfg.outer.shards < world:
         raise ConfigError(f"outer.shards ({cfg.outer.shards}) must be at least the number of local ranks ({world})")
+    if cfg.outer.sharding == "sharded" and cfg.swarm.allowed_peers:
+        # every rank of a sharded peer averages under its own per-run identity, which no allowlist can name yet
+        raise ConfigError("swarm.allowed_peers does not work with outer.sharding = sharded on several ranks yet")
 
 
 class ClusterTrainer(InnerTrainer):

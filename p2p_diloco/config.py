@@ -15,18 +15,18 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 
-from .codecs import CODECS
-from .errors import UsageError
+from .errors import ConfigError
 
-
-class ConfigError(UsageError):
-    """Bad configuration input (missing file, unknown key, bad value). The CLI turns it into exit code 2."""
+__all__ = ["Config", "ConfigError", "apply_overrides", "load_config", "parse_set"]
 
 
 # Settings of the fingerprinted sections that are fingerprinted only in sharded mode: the logical shards decide the
 # averagers' keys and the digest, so every peer of a run must use the same mode and shard count (any rank layout:
 # a 1-rank and an 8-rank peer average together in either mode). A rank0-mode fingerprint is as it always was.
 SHARDED_ONLY = frozenset({"outer.sharding", "outer.shards"})
+# Settings added after runs were made: fingerprinted only when not at their default, so a run (and its checkpoints)
+# made before they existed keeps its fingerprint, while peers that set them differently still cannot average.
+OMITTED_AT_DEFAULT = frozenset({"outer.aggregation", "outer.norm_bound", "outer.trim"})
 
 
 @dataclass
@@ -117,6 +117,13 @@ class OuterConfig:
     # torchrun peer); "sharded" = cut into `shards` logical shards, each rank keeping its own, one averager each
     sharding: str = "rank0"
     shards: int = 8
+    # How each reducer combines the contributions to its slice (p2p_diloco/aggregation.py; docs/security.md):
+    # mean | trimmed_mean | centered_clip. Every method first leaves out non-finite contributions and those whose
+    # RMS exceeds norm_bound x the median (or the swarm's recent RMS); norm_bound also caps a peer's weight at
+    # norm_bound x the median weight. norm_bound = 0 turns both off.
+    aggregation: str = "mean"
+    norm_bound: float = 10.0
+    trim: float = 0.25  # trimmed_mean: the fraction of contributions cut at each end of every coordinate
 
 
 @dataclass
@@ -173,6 +180,9 @@ class SwarmConfig:
     part_size_bytes: int = 2**20
     transport: str = "tcp"  # all-reduce bytes: "tcp" = direct sockets (fast, unencrypted), "p2p" = libp2p streams
     data_port: int = 0  # TCP port of the direct data plane (0 = any free port)
+    # A private run: only these peers (base58 peer ids, or files of them, one per line, '#' comments) may match
+    # with us, download our state, or count as live peers; empty = an open swarm. See docs/security.md.
+    allowed_peers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -197,6 +207,11 @@ class DebugConfig:
     step_delay: float = 0.0  # seconds slept after every inner step: a slow peer for tests and benchmarks
     stall: float = 0.0  # seconds slept before the inner steps of round ``stall_round`` (a stuck but live peer)
     stall_round: int = 0
+    # A malicious peer for the security tests: send a corrupted pseudo-gradient every round
+    # ("nan", "scale:<k>" or "random"; see aggregation.corrupt_), or serve corrupted state to downloaders.
+    corrupt_pseudo_gradient: str = ""
+    corrupt_state: bool = False
+    prefer_donor: str = ""  # a state download tries this peer id first when it is a donor (to aim at a lying donor)
 
 
 @dataclass
@@ -221,8 +236,12 @@ class Config:
         out: dict[str, Any] = {"run.seed": self.run.seed, "round.mode": self.round.mode}
         for section in ("model", "tokenizer", "outer"):
             for key, value in dataclasses.asdict(getattr(self, section)).items():
-                if f"{section}.{key}" not in SHARDED_ONLY or self.outer.sharding == "sharded":
-                    out[f"{section}.{key}"] = value
+                name = f"{section}.{key}"
+                if name in SHARDED_ONLY and self.outer.sharding != "sharded":
+                    continue
+                if name in OMITTED_AT_DEFAULT and value == getattr(type(getattr(self, section))(), key):
+                    continue
+                out[name] = value
         return out
 
     def fingerprint(self) -> str:
@@ -279,6 +298,8 @@ def apply_overrides(cfg: Config, overrides: Mapping[str, Mapping[str, Any]]) -> 
             if key not in names:
                 raise ConfigError(f"unknown config key {section}.{key} (known: {', '.join(sorted(names))})")
             setattr(obj, key, _coerce(section, key, getattr(obj, key), value))
+    from .config_checks import validate  # (imports this module)
+
     validate(cfg)
     return cfg
 
@@ -315,79 +336,3 @@ def load_config(path: str | Path | None = None, sets: Iterable[str] = (), base: 
         section, key, value = parse_set(item)
         nested.setdefault(section, {})[key] = value
     return apply_overrides(cfg, nested)
-
-
-def validate(cfg: Config) -> None:
-    """Reject values that would only fail later, deep inside a run."""
-    positive = {
-        "train.inner_steps": cfg.train.inner_steps,
-        "train.grad_accum": cfg.train.grad_accum,
-        "data.seq_len": cfg.data.seq_len,
-        "data.batch_size": cfg.data.batch_size,
-        "model.num_layers": cfg.model.num_layers,
-        "eval.batches": cfg.eval.batches,
-        "eval.every_rounds": cfg.eval.every_rounds,
-        "swarm.matchmaking_time": cfg.swarm.matchmaking_time,
-        "swarm.allreduce_timeout": cfg.swarm.allreduce_timeout,
-        "swarm.peer_ttl": cfg.swarm.peer_ttl,
-        "swarm.heartbeat_period": cfg.swarm.heartbeat_period,
-        "swarm.round_timeout": cfg.swarm.round_timeout,
-        "swarm.straggler_floor": cfg.swarm.straggler_floor,
-        "swarm.next_chunk_timeout": cfg.swarm.next_chunk_timeout,
-        "swarm.startup_timeout": cfg.swarm.startup_timeout,
-        "checkpoint.keep": cfg.checkpoint.keep,
-        "checkpoint.every_rounds": cfg.checkpoint.every_rounds,
-    }
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{name} must be > 0, got {value}")
-    if cfg.swarm.min_peers < 1:
-        raise ConfigError(f"swarm.min_peers must be >= 1, got {cfg.swarm.min_peers}")
-    if cfg.run.max_rounds < 0:
-        raise ConfigError(f"run.max_rounds must be >= 0, got {cfg.run.max_rounds}")
-    if not cfg.run.run_id or not all(c.isalnum() or c in "-_" for c in cfg.run.run_id):
-        raise ConfigError(f"run.run_id must be non-empty letters, digits, '-' or '_', got {cfg.run.run_id!r}")
-    if not 0.0 <= cfg.outer.momentum < 1.0:
-        raise ConfigError(f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
-    if cfg.outer.lr <= 0 or cfg.train.lr <= 0:
-        raise ConfigError("outer.lr and train.lr must be > 0")
-    if cfg.outer.compression not in CODECS:
-        raise ConfigError(f"outer.compression must be one of {', '.join(CODECS)}, got {cfg.outer.compression!r}")
-    if cfg.train.autocast not in ("auto", "bf16", "off"):
-        raise ConfigError(f"train.autocast must be auto, bf16 or off, got {cfg.train.autocast!r}")
-    if cfg.train.device not in ("cpu", "cuda", "auto"):
-        raise ConfigError(f"train.device must be cpu, cuda or auto, got {cfg.train.device!r}")
-    if cfg.data.streaming not in ("auto", "true", "false"):
-        raise ConfigError(f"data.streaming must be auto, true or false, got {cfg.data.streaming!r}")
-    if not 0.0 <= cfg.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
-    if cfg.swarm.request_timeout >= cfg.swarm.matchmaking_time:
-        raise ConfigError("swarm.request_timeout must be smaller than swarm.matchmaking_time")
-    if cfg.swarm.peer_ttl <= cfg.swarm.heartbeat_period:
-        raise ConfigError("swarm.peer_ttl must be larger than swarm.heartbeat_period")
-    if cfg.swarm.transport not in ("tcp", "p2p"):
-        raise ConfigError(f"swarm.transport must be tcp or p2p, got {cfg.swarm.transport!r}")
-    if cfg.swarm.deadlines not in ("adaptive", "fixed"):
-        raise ConfigError(f"swarm.deadlines must be adaptive or fixed, got {cfg.swarm.deadlines!r}")
-    if cfg.checkpoint.resume and not cfg.checkpoint.dir:
-        raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
-    if cfg.train.parallelism not in ("ddp", "fsdp"):
-        raise ConfigError(f"train.parallelism must be ddp or fsdp, got {cfg.train.parallelism!r}")
-    if cfg.outer.sharding not in ("rank0", "sharded"):
-        raise ConfigError(f"outer.sharding must be rank0 or sharded, got {cfg.outer.sharding!r}")
-    if cfg.outer.shards < 1:
-        raise ConfigError(f"outer.shards must be >= 1, got {cfg.outer.shards}")
-    if cfg.outer.sharding == "sharded" and cfg.outer.overlap:
-        raise ConfigError("outer.sharding = sharded does not work with outer.overlap yet")
-    if cfg.round.mode not in ("fixed_steps", "swarm_target"):
-        raise ConfigError(f"round.mode must be fixed_steps or swarm_target, got {cfg.round.mode!r}")
-    if cfg.round.target_tokens < 0 or cfg.round.progress_period <= 0:
-        raise ConfigError("round.target_tokens must be >= 0 and round.progress_period > 0")
-    if cfg.round.mode == "swarm_target" and cfg.outer.overlap:
-        raise ConfigError("round.mode = swarm_target does not work with outer.overlap yet")
-    d = cfg.debug
-    if min(d.part_delay, d.state_delay, d.corrupt_theta_at_round, d.sync_delay, d.sync_delay_round, d.step_delay,
-           d.stall, d.stall_round) < 0:
-        raise ConfigError("debug.part_delay, debug.state_delay, debug.sync_delay, debug.sync_delay_round, "
-                          "debug.step_delay, debug.stall, debug.stall_round and debug.corrupt_theta_at_round "
-                          "must be >= 0")

@@ -38,8 +38,18 @@ def synced(peers: dict[str, dict[str, Any]], round_: int | None = None) -> dict[
 
 
 def swarm_round(peers: dict[str, dict[str, Any]]) -> int:
-    """The highest round any synced peer holds, or -1."""
-    return max((int(p.get("round", -1)) for p in synced(peers).values()), default=-1)
+    """The highest round that at least half of the synced peers (rounded up) hold or have passed, or -1.
+
+    With one or two other peers that is the highest round any of them holds: a straggler follows whoever went
+    ahead. With more, one peer claiming a later round (a liar, or a buggy peer) is not followed: a peer that
+    trusted the highest claim would download whatever state that one peer serves for it, and the digest check
+    cannot help, since the claimant is then the majority of its own round. An honest peer that got ahead of
+    most others alone is caught up with instead (the majority's digest wins at the next round: needs_repair).
+    """
+    rounds = sorted((int(p.get("round", -1)) for p in synced(peers).values()), reverse=True)
+    if not rounds:
+        return -1
+    return rounds[(len(rounds) + 1) // 2 - 1]
 
 
 def pick_donors(peers: dict[str, dict[str, Any]], round_: int, rng: random.Random | None = None
@@ -99,6 +109,8 @@ def check_donated_state(meta: dict, tensors: Sequence[torch.Tensor], theta: Sequ
         return "tensor shapes differ from our model"
     if digest_of(tensors[:n]) != meta.get("digest"):
         return "digest does not match its contents"
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        return "it holds non-finite values"
     got = meta.get("round", -1)
     if got < target or (exact_round and got != target):
         return f"it holds round {got}, we need {target}"

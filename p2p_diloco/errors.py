@@ -5,6 +5,10 @@ class UsageError(ValueError):
     """Bad user input (flags, config, addresses). The CLI prints it on one line and exits with code 2."""
 
 
+class ConfigError(UsageError):
+    """Bad configuration input (missing file, unknown key, bad value). The CLI turns it into exit code 2."""
+
+
 class SwarmError(UsageError):
     """The swarm could not be started or reached (bad or unreachable initial peers)."""
 

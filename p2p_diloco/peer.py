@@ -13,8 +13,8 @@ A round, seen from one peer holding the global weights theta(r) (bit-identical o
 Failure rules, checked in this order before every all-reduce attempt (each wait is bounded by a ``[swarm]``
 timeout, see docs/protocol.md):
 
-* a live peer is already past round r -> we missed the round: download (round, theta, momentum) from a peer
-  holding the majority digest of the highest round, trying the next donor if one fails mid-transfer;
+* the swarm is already past round r -> we missed the round: download (round, theta, momentum) from a peer
+  holding the majority digest of the swarm's round (consensus.swarm_round), trying the next donor on a failure;
 * the peers of round r mostly hold another digest than ours -> our theta is corrupt: download theta(r) from the
   majority, sit the rest of the round out (phase "repair"), and take theta(r+1) when the others have it;
 * no other live peer is in round r, confirmed over a record lifetime -> we are the whole swarm: solo step;
@@ -354,6 +354,9 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         self._last_group_size = result.group_size
         self.swarm.update(last_sync=round(time.time(), 1))  # for `p2p-diloco status`
         self._check_group(r, result.gathered)
+        for pid, reason in sorted(result.excluded.items()):  # our reducers left a bad contribution out
+            log.warning("round %d: left out the contribution of peer %s: %s", r + 1, pid, reason)
+            self.metrics.event("contribution_excluded", r + 1, peer=pid, reason=reason)
         self.metrics.event("allreduce_done", r + 1, group_size=result.group_size, bytes_sent=result.bytes_sent,
                            bytes_received=result.bytes_received, seconds=round(result.seconds, 3))
         return True

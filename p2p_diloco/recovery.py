@@ -17,6 +17,7 @@ import torch
 
 from . import consensus
 from .errors import RoundFailed
+from .outer import digest as digest_of
 
 log = logging.getLogger("p2p_diloco.peer")
 
@@ -47,7 +48,12 @@ class Recovery:
         with self._state_lock:
             meta = {"round": self.round, "digest": self.digest, "fp": self.cfg.fingerprint(),
                     "peer_id": getattr(self.swarm, "peer_id", "")}
-            return meta, [t.clone() for t in self.outer.state_tensors()]
+            tensors = [t.clone() for t in self.outer.state_tensors()]
+        if self.cfg.debug.corrupt_state:  # security tests: a lying donor, self-consistent but not the majority's
+            for t in tensors[:len(self.theta)]:
+                t.add_(1e-2)
+            meta["digest"] = digest_of(tensors[:len(self.theta)])
+        return meta, tensors
 
     def _join_swarm(self) -> None:
         """Take the swarm's state, then start at a round boundary: a newcomer that starts a round that is well
@@ -79,6 +85,9 @@ class Recovery:
                 return
             self.metrics.status(f"downloading state of round {target} from the swarm")
             digest, donors = consensus.pick_donors(peers, target)
+            if self.cfg.debug.prefer_donor in donors:  # tests only: make sure a given (lying) donor is tried first
+                donors.remove(self.cfg.debug.prefer_donor)
+                donors.insert(0, self.cfg.debug.prefer_donor)
             if self._load_state(target, digest, donors):
                 return
         log.warning("could not download the swarm's state; continuing from round %d", self.round)
@@ -118,8 +127,20 @@ class Recovery:
                 log.warning("%s; trying the next donor", e)
                 self.metrics.event("state_download_failed", target, from_peer=donor, reason=str(e))
                 continue
-            problem = consensus.check_donated_state(meta, tensors, self.theta, self.cfg.fingerprint(), target, digest,
+            want, expected = target, digest
+            got = meta.get("round") if isinstance(meta, dict) else None
+            if isinstance(got, int) and got > target and not exact_round:
+                # The donor moved on during the download: its state must then be the majority's of *that* round,
+                # vouched for by peers other than the donor (else a liar would only need to claim a later round).
+                # With no other synced peer at all (a lone donor), its own live record is all there is to go by.
+                peers = self._live_peers()
+                others = {pid: p for pid, p in peers.items() if pid != donor}
+                vouching = others if consensus.synced(others) else {donor: peers.get(donor, {})}
+                want, expected = got, consensus.pick_donors(vouching, got)[0]
+            problem = consensus.check_donated_state(meta, tensors, self.theta, self.cfg.fingerprint(), want, expected,
                                                     exact_round)
+            if problem is None and expected is None and want != target:
+                problem = f"no other peer vouches for its round {want}"
             if problem:
                 log.warning("rejected state from %s: %s", donor, problem)
                 self.metrics.event("state_download_failed", target, from_peer=donor, reason=problem)

@@ -89,8 +89,10 @@ class ShardedRank:
         if not self.ranks.all_ok(problem is None):  # all or nothing across the shards of this peer
             raise RoundFailed(problem or "a shard all-reduce failed on another local rank")
         self.swarm.read_result(self.delta)
-        moved = self.ranks.all_gather((result.bytes_sent, result.bytes_received))  # the peer's bytes, all ranks
-        result.bytes_sent, result.bytes_received = sum(s for s, _ in moved), sum(r for _, r in moved)
+        # the peer's bytes and exclusions, all ranks
+        moved = self.ranks.all_gather((result.bytes_sent, result.bytes_received, result.excluded))
+        result.bytes_sent, result.bytes_received = sum(m[0] for m in moved), sum(m[1] for m in moved)
+        result.excluded = {pid: reason for m in moved for pid, reason in m[2].items()}
         return result
 
     def step(self, round_: int) -> str:

@@ -7,10 +7,12 @@ the operations it needs:
 
 * publish this peer's live record (round, digest, phase, progress) every ``heartbeat_period`` seconds, with a
   ``peer_ttl`` expiration, so that every peer can see who is live, in which round, and with which digest
-  (records are signed with the peer's identity key, which is also its libp2p identity: see identity.py);
+  (records are signed with the peer's identity key, which is also its libp2p identity: see identity.py; every
+  DHT node refuses a record that breaks its schema: see schema.py);
 * check that peers already in the run use the same model/tokenizer/outer config;
 * all-reduce a list of tensors with exactly ``group_size`` peers of the same round, all-or-nothing;
-* download (round, theta, momentum) from the live peer in the highest round.
+* download (round, theta, momentum) from a given live peer (the round protocol picks it: consensus.py);
+* in a private run (``swarm.allowed_peers``), ignore every peer outside the list (allowlist.py).
 
 No coordinator: every decision is taken locally from the DHT records, the same way on every peer.
 """
@@ -29,8 +31,10 @@ from hivemind.utils import get_dht_time
 
 from ..config import Config
 from ..errors import ConfigMismatch, SwarmError
+from .allowlist import resolve_allowed_peers
 from .averaging import AllReduceResult, Averagers, one_line
 from .identity import Identity, OwnedRecordsValidator, records_by_owner
+from .schema import RunRecordsValidator, check_config_record, normalize_record
 from ..processes import descendants, keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
@@ -72,6 +76,7 @@ class Swarm:
         self._seen: dict[str, tuple[dict, float]] = {}  # live records read so far, with their DHT expiration
         self.averagers: Averagers | None = None
         self._owned: set[int] | None = None  # our processes (None until started: then every child is ours)
+        self.allowed = resolve_allowed_peers(self.sc.allowed_peers)  # None: an open swarm (allowlist.py)
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -91,7 +96,8 @@ class Swarm:
                 check_if_identity_free=not self.identity.fresh, client_mode=self.sc.client_mode,
                 use_relay=self.sc.use_relay, use_auto_relay=self.sc.use_auto_relay,
                 record_validators=[self.identity.validator,
-                                   OwnedRecordsValidator([f"{self.run_id}.live", f"{self.run_id}.config"])],
+                                   OwnedRecordsValidator([f"{self.run_id}.live", f"{self.run_id}.config"]),
+                                   RunRecordsValidator(self.run_id)],
             )
         except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
             reap_children(timeout=5.0)
@@ -105,7 +111,11 @@ class Swarm:
                 raise SwarmError(f"p2pd runs as {self.peer_id}, not as our identity {self.identity.peer_id}")
             if not follower:
                 self.check_config()
-            self.averagers = Averagers(self.cfg, self.dht, self._groups, self._providers, self.visible_maddrs)
+            if self.allowed is not None and self.peer_id not in self.allowed:
+                raise SwarmError(f"this peer ({self.peer_id}) is not in swarm.allowed_peers: the others would "
+                                 f"refuse it (fix the list, or give --identity-path with a listed key)")
+            self.averagers = Averagers(self.cfg, self.dht, self._groups, self._providers, self.visible_maddrs,
+                                       self.allowed)
             self._owned = descendants() - before  # DHT, averager(s), p2pd: what shutdown() stops
             if not follower:
                 self._publish_config()
@@ -156,14 +166,14 @@ class Swarm:
         """Change fields of our live record and store it now (round boundaries must be visible at once)."""
         with self._record_lock:
             self._record.update(fields)
-            record = dict(self._record, t=time.time())
+            record = normalize_record(dict(self._record, t=time.time()))  # SwarmError: a bug of ours
         expiration = get_dht_time() + (ttl or self.sc.peer_ttl)
         self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.identity.subkey())
 
     def _publish_config(self) -> None:
         expiration = get_dht_time() + 5 * self.sc.peer_ttl
-        self._dht_call("store", f"{self.run_id}.config", self.cfg.fingerprint_fields(), expiration,
-                       subkey=self.identity.subkey())
+        fields = check_config_record(self.cfg.fingerprint_fields())  # SwarmError: a bug of ours
+        self._dht_call("store", f"{self.run_id}.config", fields, expiration, subkey=self.identity.subkey())
 
     def _heartbeat_loop(self) -> None:
         beats = 0
@@ -181,7 +191,8 @@ class Swarm:
         (see identity.py); anything else (forged, unsigned, not a dict) is ignored."""
         found = records_by_owner(self._dht_call("get", key, latest=True))
         return {owner: (item.value, item.expiration_time) if with_expiration else item.value
-                for owner, item in found.items() if isinstance(item.value, dict)}
+                for owner, item in found.items()
+                if isinstance(item.value, dict) and (self.allowed is None or owner in self.allowed)}
 
     def live_peers(self) -> dict[str, dict[str, Any]]:
         """Every other live peer of this run and config: ``{peer_id: record}``.

@@ -10,14 +10,17 @@ can first agree that all of them succeeded (all or nothing across shards).
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from hivemind.averaging.control import AveragingStage
 
+from ..aggregation import Policy, corrupt_
 from ..codecs import get_codec
 from ..errors import RoundFailed, SwarmError
 from .averager import ExactAverager
@@ -35,6 +38,15 @@ class AllReduceResult:
     seconds: float
     gathered: dict[str, Any]
     assembly_seconds: float = 0.0  # of ``seconds``: matchmaking, until the group was assembled
+    excluded: dict[str, str] = field(default_factory=dict)  # {peer id: reason} our reducers left out
+
+
+RMS_HISTORY = 5  # rounds of averaged pseudo-gradient RMS behind the norm bound's reference
+
+
+def policy_of(cfg) -> Policy:
+    """The aggregation policy of a run config (``outer.aggregation``, ``outer.norm_bound``, ``outer.trim``)."""
+    return Policy(method=cfg.outer.aggregation, norm_bound=cfg.outer.norm_bound, trim=cfg.outer.trim)
 
 
 def round_bits(round_: int) -> str:
@@ -67,16 +79,21 @@ class Averagers:
         groups: ``{key suffix: tensors shaped like that averager's input}`` ("" = the whole pseudo-gradient).
         state_providers: ``{key suffix: () -> (metadata, tensors)}`` for peers that download state from us.
         visible_maddrs: this DHT's addresses (the data plane listens on the same host).
+        allowed: ``swarm.allowed_peers`` resolved (None: an open swarm).
     """
 
     def __init__(self, cfg, dht, groups: dict[str, Sequence[torch.Tensor]],
                  state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]],
-                 visible_maddrs: Callable[[], list[str]]):
+                 visible_maddrs: Callable[[], list[str]], allowed: frozenset[str] | None = None):
         self.cfg, self.sc = cfg, cfg.swarm
         self.keys = list(groups)
         self.list: list[ExactAverager] = []
         self.addresses: list[str | None] = []
         self.p2p_only_round = -1
+        # The RMS of recent averaged pseudo-gradients, per averager: the norm bound's reference, so that a group in
+        # which the bad contributions are the majority still has a scale to compare against.
+        self.rms_history = [collections.deque(maxlen=RMS_HISTORY) for _ in self.keys]
+        self._corruption = torch.Generator().manual_seed(cfg.run.seed + 1)  # debug.corrupt_pseudo_gradient only
         prefix = f"{cfg.run.run_id}_{cfg.fingerprint()}"
         for n, key in enumerate(self.keys):
             buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in groups[key]]
@@ -92,6 +109,7 @@ class Averagers:
             averager.part_delay = cfg.debug.part_delay  # copied into the averager process when it forks
             averager.state_delay = cfg.debug.state_delay
             averager.codec = get_codec(cfg.outer.compression)
+            averager.policy, averager.allowed = policy_of(cfg), allowed
             address = None
             if self.sc.transport == "tcp" and not self.sc.client_mode:  # a client cannot accept data connections:
                 port = self.sc.data_port + n if self.sc.data_port else 0  # its groups use libp2p
@@ -136,12 +154,16 @@ class Averagers:
         """
         controls = []
         t0 = time.monotonic()
-        for averager, tensors, address in zip(self.list, groups, self.addresses, strict=True):
+        for averager, tensors, address, history in zip(self.list, groups, self.addresses, self.rms_history,
+                                                       strict=True):
             averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
-                                      allreduce_timeout=allreduce_timeout)
+                                      allreduce_timeout=allreduce_timeout,
+                                      reference_rms=statistics.median(history) if history else 0.0)
             with averager.get_tensors() as buffers:
                 for buf, t in zip(buffers, tensors, strict=True):
                     buf.copy_(t)
+                if self.cfg.debug.corrupt_pseudo_gradient:  # the security tests' malicious peer
+                    corrupt_(buffers, self.cfg.debug.corrupt_pseudo_gradient, self._corruption)
             mine = dict(gather, data=address) if address and self.p2p_only_round != round_ else gather
             controls.append(averager.step(gather=mine, weight=float(weight), timeout=look, allow_retries=False,
                                           wait=False))
@@ -177,16 +199,27 @@ class Averagers:
         if len(sizes) != 1:  # each averager was told the size; a mismatch would mean a partial round
             raise RoundFailed(f"shard groups of different sizes {sorted(sizes)}")
         gathered = {pid.to_base58(): data for pid, data in results[0]["gathered"].items()}
+        excluded = {pid: reason for r in results for pid, reason in r.get("excluded", {}).items()}
+        self._check_finite()
         return AllReduceResult(results[0]["group_size"], sum(r.get("bytes_sent", 0) for r in results),
                                sum(r.get("bytes_received", 0) for r in results), time.monotonic() - t0, gathered,
-                               assembled[0])
+                               assembled[0], excluded)
+
+    def _check_finite(self) -> None:
+        """A last line of defence: a non-finite average (every reducer validates, so only a hostile reducer could
+        send one) fails the round instead of reaching theta."""
+        for averager in self.list:
+            with averager.get_tensors() as buffers:
+                if not all(bool(torch.isfinite(b).all()) for b in buffers):
+                    raise RoundFailed("the all-reduce returned non-finite values")
 
     def read_into(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
         """Copy the last successful all-reduce's averages into ``groups``."""
-        for averager, tensors in zip(self.list, groups, strict=True):
+        for averager, tensors, history in zip(self.list, groups, self.rms_history, strict=True):
             with averager.get_tensors() as buffers:
                 for buf, t in zip(buffers, tensors, strict=True):
                     t.copy_(buf)
+                history.append(_rms(buffers))
 
     def download(self, index: int, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]]:
         """(metadata, tensors) from averager ``index``'s counterpart on ``peer_id``; RoundFailed on any failure."""
@@ -197,6 +230,13 @@ class Averagers:
         if not isinstance(metadata, dict):
             raise RoundFailed(f"state download from {peer_id} failed: malformed metadata")
         return metadata, list(tensors)
+
+
+def _rms(tensors: Sequence[torch.Tensor]) -> float:
+    """The RMS of several tensors taken as one vector, without concatenating them."""
+    numel = sum(t.numel() for t in tensors)
+    squares = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors)
+    return (squares / numel) ** 0.5 if numel else 0.0
 
 
 def _wait_step_finished(control, timeout: float) -> None:

@@ -15,7 +15,7 @@ Protocol, one connection per (sender, reducer) pair, opened by the sender:
 
 Every member, the reducer included, decodes those same bytes, so the result is bit-identical on every peer.
 Any error, missing sender, bad header or timeout aborts the whole all-reduce (all-or-nothing, like
-:class:`~p2p_diloco.swarm.averager.ExactAllReduceRunner`). Not encrypted: pseudo-gradients cross the network in
+:class:`~p2p_diloco.swarm.runner.ExactAllReduceRunner`). Not encrypted: pseudo-gradients cross the network in
 the clear and an on-path attacker could inject into a group (``swarm.transport = "p2p"`` keeps everything inside
 libp2p's encryption). Every read has an inactivity bound (``chunk_timeout``), so a frozen peer costs seconds.
 """
@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from ..aggregation import Contribution, Policy, combine, validate
 from ..codecs import Codec
 
 MAGIC = b"P2PDILOCO1"
@@ -144,18 +145,23 @@ class FastAllReduce:
         weight: our weight in the average.
         codec: the run's codec.
         chunk_timeout: the longest silence tolerated on any connection.
+        policy: how our slice's contributions are validated and combined (aggregation.py).
     """
 
     def __init__(self, group_id: bytes, index: int, addresses: Sequence[str], flat: torch.Tensor,
-                 bounds: Sequence[int], weight: float, codec: Codec, chunk_timeout: float):
+                 bounds: Sequence[int], weight: float, codec: Codec, chunk_timeout: float,
+                 policy: Policy = Policy()):
         self.key, self.index, self.addresses = group_key(group_id), index, list(addresses)
         self.chunk_timeout = chunk_timeout
         self.part_delay = 0.0
         self.flat, self.bounds, self.weight, self.codec = flat, list(bounds), weight, codec
         self.n = len(addresses)
         self.output = torch.empty_like(flat)
-        self.accumulator = self._slice(flat, index).to(torch.float32) * weight
-        self.total_weight = weight
+        # Every member's contribution to our slice is kept until all are in, then validated and combined: a bad
+        # one is left out instead of summed in (memory: group size x our slice).
+        self.policy = policy
+        self.contributions = [Contribution(index, self._slice(flat, index).to(torch.float32), weight)]
+        self.excluded: dict[int, str] = {}  # {member index: reason} of the contributions left out
         self.contributed: set[int] = {index}
         self.averaged: asyncio.Future = asyncio.get_event_loop().create_future()  # our slice's encoded average
         self.served = 0  # senders whose answer has gone out (or failed)
@@ -200,17 +206,26 @@ class FastAllReduce:
         data = torch.empty(self.codec.payload_bytes(numel), dtype=torch.uint8)
         await _recv_frame(sock, data, self.chunk_timeout, self._touch)
         self.bytes_received += data.numel() + _LEN.size
-        self.accumulator.add_(self.codec.decode(data, numel), alpha=weight)
-        self.total_weight += weight
+        self.contributions.append(Contribution(sender, self.codec.decode(data, numel), weight))
         self.contributed.add(sender)
         self._touch()
         if len(self.contributed) == self.n and not self.averaged.done():
-            self.averaged.set_result(self.codec.encode(self.accumulator.div_(self.total_weight)))
+            self._reduce()
         encoded = await asyncio.shield(self.averaged)
         # Counted once handed to the transport: the sender may finish (and our stats be read) before we return.
         self.bytes_sent += encoded.numel() + _LEN.size + 1
         await _send_all(sock, memoryview(b"\x00" + _LEN.pack(encoded.numel())), self.chunk_timeout)
         await _send_all(sock, _view(encoded), self.chunk_timeout)
+
+    def _reduce(self) -> None:
+        """All contributions are in: our slice's encoded aggregate, or an error if none of them was valid."""
+        contributions = sorted(self.contributions, key=lambda c: c.sender)  # same bytes whatever the arrival order
+        kept, self.excluded = validate(contributions, self.policy, self._numel(self.index))
+        if not kept:
+            self.averaged.set_exception(FastPathError(f"no valid contribution to our slice: {self.excluded}"))
+        else:
+            self.averaged.set_result(self.codec.encode(combine(kept, self.policy)))
+        self.contributions = []
 
     # ------------------------------------------------------------------------------------------ sender side
     async def _send_to(self, j: int, connect_timeout: float) -> None:
@@ -259,10 +274,9 @@ class FastAllReduce:
 
     async def _own_slice(self) -> None:
         # We keep exactly what the others receive: the decoded bytes of our encoded average, not the exact one.
-        if self.n > 1:
-            encoded = await self._wait_for_senders()
-        else:
-            encoded = self.codec.encode(self.accumulator.div_(self.total_weight))
+        if self.n == 1:
+            self._reduce()
+        encoded = await self._wait_for_senders()
         self._decode_into(encoded, self.index)
         if self.n > 1:
             # Our answers are written straight from our buffers, not queued in a transport that would flush them

@@ -15,6 +15,7 @@ from hivemind.dht.crypto import RSASignatureValidator
 from ..errors import SwarmError
 from ..processes import reap_children
 from .identity import OwnedRecordsValidator, records_by_owner
+from .schema import RunRecordsValidator
 
 READ_TIMEOUT = 15.0
 
@@ -28,7 +29,8 @@ class StatusClient:
         try:
             self.dht = hivemind.DHT(
                 initial_peers=list(initial_peers), start=True, client_mode=True, startup_timeout=startup_timeout,
-                record_validators=[RSASignatureValidator(), OwnedRecordsValidator([self.key])], await_ready=True)
+                record_validators=[RSASignatureValidator(), OwnedRecordsValidator([self.key]),
+                                   RunRecordsValidator(run_id)], await_ready=True)
         except Exception as e:
             reap_children(timeout=5.0)
             raise SwarmError(f"could not join the swarm: {str(e).strip().splitlines()[0]}") from None

@@ -10,9 +10,10 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco.swarm.identity import Identity, OwnedRecordsValidator, records_by_owner
+from p2p_diloco.swarm.schema import RunRecordsValidator
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
-KEY = "run.live"
+KEY = "run.live"  # run id "run"
 
 
 @pytest.fixture
@@ -26,7 +27,8 @@ def dhts():
         for ident in (honest, reader):
             started.append(hivemind.DHT(
                 start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=ident.path,
-                check_if_identity_free=False, record_validators=[ident.validator, OwnedRecordsValidator([KEY])],
+                check_if_identity_free=False,
+                record_validators=[ident.validator, OwnedRecordsValidator([KEY]), RunRecordsValidator("run")],
                 initial_peers=[str(m) for m in started[0].get_visible_maddrs()] if started else None))
         a, c = started
         b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -90,3 +92,18 @@ async def _local_subkeys(dht, node):
 
     found = node.protocol.storage.get(DHTID.generate(source=KEY))
     return sorted(subkey for subkey, _ in found.value.items()) if found is not None else []
+
+
+def test_schema_violating_record_is_rejected(dhts):
+    honest, a, b, c = dhts
+    b.shutdown()  # a node without validators would accept the record, and its answer could decide store()'s result
+    expiration = get_dht_time() + 30
+    assert a.store(KEY, {"round": 3, "phase": "train"}, expiration, subkey=honest.subkey())
+    # correctly signed by the record's owner, newer, but breaking the schema: neither honest node stores it
+    for bad in ({"round": "999"}, {"round": 4, "color": "red"}, {"round": 4, "t": 1}):
+        expiration += 1
+        assert not a.store(KEY, bad, expiration, subkey=honest.subkey()), bad
+    for reader in (a, c):
+        found = reader.get(KEY, latest=True, return_future=True).result(timeout=15)
+        assert {o: v.value for o, v in records_by_owner(found).items()} == {honest.peer_id: {"round": 3,
+                                                                                          "phase": "train"}}

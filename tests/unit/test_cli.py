@@ -35,6 +35,8 @@ def run_cli(*args, env=None):
     (["join", "--startup-timeout", "0"], "swarm.startup_timeout must be > 0"),
     (["join", "--identity-path", "/nonexistent-dir/id.key", "--max-rounds", "1"], "cannot create identity file"),
     (["join", "--set", "swarm.deadlines=sometimes"], "swarm.deadlines must be adaptive or fixed"),
+    (["join", "--debug-corrupt-pseudo-gradient", "zero"], "debug.corrupt_pseudo_gradient: bad corruption mode"),
+    (["join", "--allowed-peers", "not-a-peer-id"], "swarm.allowed_peers: 'not-a-peer-id' is neither a file nor"),
     (["status"], "--initial-peers (or $P2P_DILOCO_INITIAL_PEERS) is required"),
     (["status", "--initial-peers", "/ip4/127.0.0.1/tcp/5"], "must end with /p2p/<peer id>"),
     (["status", "--initial-peers", f"/ip4/127.0.0.1/tcp/5/p2p/{PEER}", "--watch", "0"], "--watch must be > 0"),

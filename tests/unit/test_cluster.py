@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from p2p_diloco.cluster import Cluster, check
-from p2p_diloco.config import Config, ConfigError, load_config, validate
+from p2p_diloco.config import Config, ConfigError, load_config
+from p2p_diloco.config_checks import validate
 
 pytestmark = pytest.mark.unit
 

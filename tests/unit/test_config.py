@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,25 @@ def test_fingerprint_changes_with_model_and_outer_only():
     assert a.fingerprint() == b.fingerprint()
     assert a.fingerprint() != load_config(None, ["model.num_layers=3"]).fingerprint()
     assert a.fingerprint() != load_config(None, ["outer.lr=0.5"]).fingerprint()
+
+
+def test_security_settings_keep_old_fingerprints_at_their_defaults():
+    # the default fingerprint before outer.aggregation / norm_bound / trim existed (commit 44022bd): old runs and
+    # checkpoints keep it, while peers that set them differently cannot average together
+    assert Config().fingerprint() == "54f7714b4f25631b"
+    assert load_config(None, ["outer.sharding=sharded"]).fingerprint() == "ed4e40a7837ef605"
+    for item in ("outer.aggregation=centered_clip", "outer.norm_bound=5", "outer.trim=0.1"):
+        assert load_config(None, [item]).fingerprint() != Config().fingerprint(), item
+    assert load_config(None, ["swarm.allowed_peers=['x']"]).fingerprint() == Config().fingerprint()
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("outer.aggregation=median", "outer.aggregation must be one of mean, trimmed_mean, centered_clip"),
+    ("outer.norm_bound=0.5", "outer.norm_bound must be 0 (off) or > 1"),
+    ("outer.norm_bound=-1", "outer.norm_bound must be 0 (off) or > 1"),
+    ("outer.trim=0.5", "outer.trim must be in [0, 0.5)"),
+    ("debug.corrupt_pseudo_gradient='scale:x'", "debug.corrupt_pseudo_gradient: bad corruption mode"),
+])
+def test_security_settings_are_checked(item, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, [item])

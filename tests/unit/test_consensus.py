@@ -3,8 +3,10 @@
 import random
 
 import pytest
+import torch
 
 from p2p_diloco import consensus
+from p2p_diloco.outer import digest as digest_of
 
 pytestmark = pytest.mark.unit
 
@@ -76,3 +78,24 @@ def test_check_donated_state_refuses_everything_but_what_we_asked_for():
     flipped = [t.clone() for t in state]
     flipped[0][0] = 2.0
     assert "digest" in check(meta, flipped, theta, "fp1", 4, None)
+
+
+def test_swarm_round_is_not_the_highest_claim_once_there_are_three_others():
+    # one or two others: a straggler follows whoever went ahead (nobody else to ask)
+    assert consensus.swarm_round({"a": rec(7, "x")}) == 7
+    assert consensus.swarm_round({"a": rec(7, "x"), "b": rec(3, "y")}) == 7
+    # three or more: at least half of them must have reached the round; one liar claiming round 1000 is not followed
+    assert consensus.swarm_round({"liar": rec(1000, "z"), "b": rec(3, "y"), "c": rec(3, "y")}) == 3
+    assert consensus.swarm_round({"liar": rec(1000, "z"), "b": rec(4, "y"), "c": rec(3, "y")}) == 4
+    assert consensus.swarm_round({"l": rec(9, "z"), "m": rec(9, "z"), "b": rec(3, "y"), "c": rec(3, "y")}) == 9
+    assert consensus.swarm_round({"l": rec(9, "z"), "b": rec(3, "y"), "c": rec(3, "y"), "d": rec(3, "y")}) == 3
+
+
+def test_donated_state_with_non_finite_values_is_refused():
+    theta = [torch.zeros(3)]
+    bad = [torch.tensor([0.0, float("nan"), 0.0]), torch.zeros(3)]
+    meta = {"fp": "f", "round": 2, "digest": digest_of(bad[:1])}
+    assert consensus.check_donated_state(meta, bad, theta, "f", 2, meta["digest"]) == "it holds non-finite values"
+    good = [torch.ones(3), torch.zeros(3)]
+    meta = {"fp": "f", "round": 2, "digest": digest_of(good[:1])}
+    assert consensus.check_donated_state(meta, good, theta, "f", 2, meta["digest"]) is None

@@ -2,7 +2,8 @@
 
 import pytest
 
-from p2p_diloco.config import Config, ConfigError, validate
+from p2p_diloco.config import Config, ConfigError
+from p2p_diloco.config_checks import validate
 from p2p_diloco.deadlines import Deadlines, RollingDeadline, StragglerWait
 
 

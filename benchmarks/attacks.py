@@ -1,0 +1,112 @@
+"""A malicious peer in a 4-peer swarm: the honest peers' final eval loss per attack and aggregation method.
+
+Every arm runs 4 real peers (``p2p-diloco join`` subprocesses on 127.0.0.1) with fixed data seeds, so the honest
+peers see the same data in every arm; in all but the ``honest`` arms peer 3 sends a corrupted pseudo-gradient every
+round (``--debug-corrupt-pseudo-gradient``). Reported per arm: the final eval loss of the global weights (one value:
+θ is bit-identical on every peer, checked), its ratio to the honest-only ``mean`` run, and the number of
+``contribution_excluded`` events. The ``scale:1000 / no bound`` arm turns validation off (``outer.norm_bound=0``)
+to show what the defence is for.
+
+Last line: ``loss_over_honest=<the largest ratio over the defended arms>``.
+
+Usage: ``python benchmarks/attacks.py`` (10 arms, ~1 min each on 2 cores); ``--quick`` runs 4 of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from p2p_diloco.launcher import parse_join_line
+from p2p_diloco.metrics import read_events
+
+# (name, corruption of peer 3 or "", --set items for every peer)
+ARMS = [("honest / mean", "", []),
+        ("nan / mean", "nan", []),
+        ("scale:1000 / no bound", "scale:1000", ["outer.norm_bound=0"]),
+        ("scale:1000 / mean", "scale:1000", []),
+        ("scale:1000 / centered_clip", "scale:1000", ["outer.aggregation=centered_clip"]),
+        ("random / mean", "random", []),
+        ("random / trimmed_mean", "random", ["outer.aggregation=trimmed_mean"]),
+        ("random / centered_clip", "random", ["outer.aggregation=centered_clip"]),
+        ("honest / trimmed_mean", "", ["outer.aggregation=trimmed_mean"]),
+        ("honest / centered_clip", "", ["outer.aggregation=centered_clip"])]
+QUICK = {"honest / mean", "nan / mean", "scale:1000 / no bound", "random / centered_clip"}
+COMMON = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000", "--set", "swarm.matchmaking_time=5.0",
+          "--set", "swarm.request_timeout=2.0", "--set", "train.threads=1", "--set", "swarm.min_peers=4"]
+
+
+def _start(args: list[str], log: Path) -> tuple[subprocess.Popen, threading.Event, list]:
+    proc = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "join", *args], stdout=subprocess.PIPE,
+                            stderr=open(log, "w"), text=True, start_new_session=True)
+    joined, maddrs = threading.Event(), []
+
+    def read() -> None:
+        for line in proc.stdout:
+            parsed = parse_join_line(line)
+            if parsed and not joined.is_set():
+                maddrs.extend(parsed[0])
+                joined.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    return proc, joined, maddrs
+
+
+def run_arm(index: int, corruption: str, sets: list[str], args: argparse.Namespace, out: Path) -> dict:
+    """Four peers of one run; returns the final eval loss and the exclusions seen."""
+    log_dir = out / f"arm{index}"
+    run = ["--run-id", f"attacks-{index}-{int(time.time())}", "--max-rounds", str(args.rounds), "--inner-steps",
+           str(args.h), "--log-dir", str(log_dir), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *COMMON]
+    for item in sets:
+        run += ["--set", item]
+    procs, maddrs = [], None
+    for i in range(4):
+        extra = ["--data-seed", str(i)] + (["--debug-corrupt-pseudo-gradient", corruption] if corruption and i == 3
+                                           else [])
+        proc, joined, addrs = _start([*run, *extra, *(["--initial-peers", *maddrs] if maddrs else [])],
+                                     out / f"arm{index}-p{i}.log")
+        if not joined.wait(120):
+            raise SystemExit(f"arm {index}: peer {i} did not start; see {out}")
+        maddrs = maddrs or list(addrs)
+        procs.append(proc)
+    for i, proc in enumerate(procs):
+        if proc.wait(timeout=1800) != 0:
+            raise SystemExit(f"arm {index}: peer {i} failed; see {out / f'arm{index}-p{i}.log'}")
+    finals, excluded = set(), 0
+    for events_file in log_dir.glob("*/events.jsonl"):
+        events = read_events(events_file)
+        finals.add(max((e["round"], e["loss"]) for e in events if e["event"] == "eval")[1])
+        excluded += sum(e["event"] == "contribution_excluded" for e in events)
+    if len(finals) != 1:
+        raise SystemExit(f"arm {index}: peers ended with different eval losses {finals}")
+    return {"loss": finals.pop(), "excluded": excluded}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--h", type=int, default=20, help="inner steps per round")
+    parser.add_argument("--quick", action="store_true", help="4 arms instead of 10")
+    args = parser.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="attacks-"))
+    arms = [a for a in ARMS if not args.quick or a[0] in QUICK]
+    results = {}
+    for index, (name, corruption, sets) in enumerate(arms):
+        results[name] = run_arm(index, corruption, sets, args, out)
+        print(f"{name:28s} final eval loss {results[name]['loss']:.4f}  exclusions {results[name]['excluded']}",
+              flush=True)
+    honest = results["honest / mean"]["loss"]
+    print(f"\n| arm | final eval loss | / honest mean | exclusions |\n|---|---|---|---|")
+    for name, r in results.items():
+        print(f"| {name} | {r['loss']:.4f} | {r['loss'] / honest:.3f} | {r['excluded']} |")
+    defended = [r["loss"] / honest for name, r in results.items() if "no bound" not in name]
+    print(f"loss_over_honest={max(defended):.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""Robust aggregation: a bad peer's contribution is left out (with the right sender and a reason), robust rules
+resist an outlier, and everything is deterministic and leaves its inputs alone."""
+
+import math
+
+import pytest
+import torch
+
+from p2p_diloco.aggregation import (RANDOM_RMS, AggregationError, Contribution, Policy, aggregate, combine,
+                                    corrupt_, parse_corruption, rms, validate)
+
+pytestmark = pytest.mark.unit
+NUMEL = 64
+
+
+def _honest(n, seed=0, numel=NUMEL):
+    g = torch.Generator().manual_seed(seed)
+    return [Contribution(i, torch.randn(numel, generator=g), float(i + 1)) for i in range(n)]
+
+
+def _weighted_mean(cs):
+    total = sum(c.weight for c in cs)
+    return sum(c.tensor.double() * c.weight for c in cs) / total
+
+
+def test_rms():
+    assert rms(torch.tensor([3.0, -4.0])) == pytest.approx(math.sqrt(12.5))
+    assert rms(torch.empty(0)) == 0.0
+
+
+def test_mean_is_weighted_mean():
+    cs = _honest(4)
+    out, excluded = aggregate(cs, Policy(), NUMEL)
+    assert excluded == {}
+    assert out.dtype == torch.float32 and out.shape == (NUMEL,)
+    torch.testing.assert_close(out.double(), _weighted_mean(cs), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (lambda c: Contribution(c.sender, torch.full((NUMEL,), math.nan), c.weight), "non-finite"),
+    (lambda c: Contribution(c.sender, c.tensor.clone().index_fill_(0, torch.tensor([5]), math.inf), c.weight),
+     "non-finite"),
+    (lambda c: Contribution(c.sender, c.tensor[:-1].clone(), c.weight), "shape (63,) != (64,)"),
+    (lambda c: Contribution(c.sender, c.tensor.view(8, 8).clone(), c.weight), "shape (8, 8)"),
+    (lambda c: Contribution(c.sender, c.tensor.half(), c.weight), "dtype torch.float16"),
+    (lambda c: Contribution(c.sender, c.tensor.clone(), 0.0), "weight 0"),
+    (lambda c: Contribution(c.sender, c.tensor.clone(), -3.0), "weight -3"),
+    (lambda c: Contribution(c.sender, c.tensor.clone(), math.nan), "weight nan"),
+])
+def test_malformed_contribution_is_excluded(bad, reason):
+    cs = _honest(4)
+    cs[2] = bad(cs[2])
+    kept, excluded = validate(cs, Policy(), NUMEL)
+    assert [c.sender for c in kept] == [0, 1, 3]
+    assert list(excluded) == [2] and reason in excluded[2]
+    out, _ = aggregate(cs, Policy(), NUMEL)
+    torch.testing.assert_close(out.double(), _weighted_mean(kept), rtol=0, atol=1e-6)
+
+
+def test_first_failing_reason_wins():
+    cs = _honest(3)
+    cs[1] = Contribution(1, torch.full((NUMEL,), math.nan, dtype=torch.float16), math.nan)
+    _, excluded = validate(cs, Policy(), NUMEL)
+    assert excluded == {1: "dtype torch.float16"}
+
+
+def test_scaled_contribution_is_excluded_by_norm_bound():
+    cs = _honest(4)
+    cs[3] = Contribution(3, cs[3].tensor * 1000, cs[3].weight)
+    kept, excluded = validate(cs, Policy(), NUMEL)
+    assert [c.sender for c in kept] == [0, 1, 2]
+    assert list(excluded) == [3] and excluded[3].startswith("rms ") and "> 10 x" in excluded[3]
+
+
+def test_norm_bound_zero_disables_it():
+    cs = _honest(4)
+    cs[3] = Contribution(3, cs[3].tensor * 1000, cs[3].weight)
+    kept, excluded = validate(cs, Policy(norm_bound=0.0), NUMEL)
+    assert excluded == {} and [c.sender for c in kept] == [0, 1, 2, 3]
+
+
+def test_reference_rms_only_raises_the_threshold():
+    cs = _honest(4)
+    cs[3] = Contribution(3, cs[3].tensor * 5, cs[3].weight)  # ~5x the median RMS: passes a bound of 10
+    assert validate(cs, Policy(), NUMEL)[1] == {}
+    assert validate(cs, Policy(reference_rms=1e-3), NUMEL)[1] == {}  # a smaller reference does not tighten it
+    cs[3] = Contribution(3, cs[3].tensor * 4, cs[3].weight)  # ~20x: excluded with the median reference...
+    assert list(validate(cs, Policy(), NUMEL)[1]) == [3]
+    kept, excluded = validate(cs, Policy(reference_rms=3.0), NUMEL)  # ...but let through by a larger reference
+    assert excluded == {} and len(kept) == 4
+
+
+def test_huge_weight_does_not_dominate_the_mean():
+    cs = _honest(4)
+    for c in cs:
+        c.weight = 1.0
+    cs[0].weight = 1e9
+    out = combine(cs, Policy(norm_bound=10.0))
+    capped = [Contribution(c.sender, c.tensor, 10.0 if c.sender == 0 else 1.0) for c in cs]
+    torch.testing.assert_close(out.double(), _weighted_mean(capped), rtol=0, atol=1e-6)
+    assert (out - cs[0].tensor).norm() > 0.1 * cs[0].tensor.norm()
+    uncapped = combine(cs, Policy(norm_bound=0.0))  # the cap is tied to norm_bound
+    torch.testing.assert_close(uncapped, cs[0].tensor, rtol=0, atol=1e-6)
+
+
+def test_trimmed_mean_drops_the_extremes_per_coordinate():
+    # Per coordinate the extremes come from different senders, so only a coordinate-wise trim removes them.
+    xs = torch.tensor([[100.0, 1.0], [1.0, -100.0], [2.0, 2.0], [3.0, 3.0], [-50.0, 50.0]])
+    cs = [Contribution(i, x, 1.0 + 100 * i) for i, x in enumerate(xs)]
+    out = combine(cs, Policy(method="trimmed_mean", trim=0.25))  # k = max(1, int(1.25)) = 1
+    torch.testing.assert_close(out, torch.tensor([2.0, 2.0]))
+
+
+def test_trimmed_mean_with_two_is_the_unweighted_mean():
+    cs = _honest(2)
+    cs[1].weight = 7.0
+    out = combine(cs, Policy(method="trimmed_mean"))
+    torch.testing.assert_close(out, (cs[0].tensor + cs[1].tensor) / 2)
+
+
+def test_centered_clip_resists_an_outlier():
+    g = torch.Generator().manual_seed(1)
+    center = torch.randn(NUMEL, generator=g)
+    cs = [Contribution(i, center + 0.1 * torch.randn(NUMEL, generator=g), 1.0) for i in range(3)]
+    cs.append(Contribution(3, center + 5.0, 1.0))  # large but below the norm bound: validation keeps it
+    honest = torch.stack([c.tensor for c in cs[:3]]).mean(0)
+    out, excluded = aggregate(cs, Policy(method="centered_clip"), NUMEL)
+    mean, _ = aggregate(cs, Policy(method="mean"), NUMEL)
+    assert excluded == {}
+    assert (out - honest).norm() < 0.2 * (mean - honest).norm()
+    assert (out - honest).norm() < 0.5 * 0.1 * math.sqrt(NUMEL)
+
+
+def test_centered_clip_of_identical_inputs_is_that_input():
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(2))
+    cs = [Contribution(i, x.clone(), float(i + 1)) for i in range(4)]
+    assert torch.equal(combine(cs, Policy(method="centered_clip")), x)
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean", "centered_clip"])
+def test_single_contribution_is_copied(method):
+    cs = _honest(1)
+    out = combine(cs, Policy(method=method))
+    assert torch.equal(out, cs[0].tensor) and out.data_ptr() != cs[0].tensor.data_ptr()
+
+
+def test_unknown_method():
+    with pytest.raises(ValueError, match="median"):
+        combine(_honest(3), Policy(method="median"))
+
+
+def test_everything_excluded_raises():
+    cs = [Contribution(i, torch.full((NUMEL,), math.nan), 1.0) for i in range(3)]
+    with pytest.raises(AggregationError):
+        aggregate(cs, Policy(), NUMEL)
+    with pytest.raises(AggregationError):
+        aggregate([], Policy(), NUMEL)
+
+
+@pytest.mark.parametrize("method", ["mean", "trimmed_mean", "centered_clip"])
+def test_deterministic_and_inputs_untouched(method):
+    cs = _honest(5, numel=10_000)
+    cs[4] = Contribution(4, cs[4].tensor * 3, cs[4].weight)
+    before = [(c.tensor.clone(), c.weight) for c in cs]
+    first, _ = aggregate(cs, Policy(method=method), 10_000)
+    second, _ = aggregate(cs, Policy(method=method), 10_000)
+    assert torch.equal(first, second)
+    assert all(torch.equal(c.tensor, t) and c.weight == w for c, (t, w) in zip(cs, before))
+
+
+def test_parse_corruption():
+    assert parse_corruption("nan") == ("nan", 0.0)
+    assert parse_corruption("random") == ("random", 0.0)
+    assert parse_corruption("scale:1000") == ("scale", 1000.0)
+    assert parse_corruption("scale:-0.5") == ("scale", -0.5)
+    for bad in ("scale:abc", "scale:inf", "scale:nan", "scale:", "foo", ""):
+        with pytest.raises(ValueError, match="scale:<k>"):
+            parse_corruption(bad)
+
+
+def test_corrupt_nan_and_scale():
+    a, b = torch.ones(4), torch.arange(3.0)
+    corrupt_([a, b], "nan", torch.Generator())
+    assert a.isnan().all() and b.isnan().all()
+    a, b = torch.ones(4), torch.arange(3.0)
+    corrupt_([a, b], "scale:-2", torch.Generator())
+    assert torch.equal(a, torch.full((4,), -2.0)) and torch.equal(b, torch.tensor([0.0, -2.0, -4.0]))
+
+
+def test_corrupt_random():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3)) * 0.01
+    a, b, z = x.clone(), x.clone(), torch.zeros(1000)
+    corrupt_([a, z], "random", torch.Generator().manual_seed(7))
+    corrupt_([b], "random", torch.Generator().manual_seed(7))
+    assert rms(a) == pytest.approx(RANDOM_RMS * rms(x), rel=0.05)
+    assert rms(z) == pytest.approx(RANDOM_RMS * 1e-3, rel=0.05)
+    assert torch.equal(a, b) and not torch.allclose(a, x)
+    # A contribution made this way is kept by validation (5x < 10x) but is no longer the honest one.
+    assert validate([Contribution(0, x, 1.0), Contribution(1, a, 1.0), Contribution(2, x, 1.0)], Policy(),
+                    10_000)[1] == {}
