@@ -103,7 +103,9 @@ def validate(contributions: Sequence[Contribution], policy: Policy,
     Rules, in order (the first failing one is the reason): the tensor is 1-D with ``numel`` float32 values; the
     weight is finite and > 0; every value is finite; if ``policy.norm_bound > 0``, its RMS is at most
     ``norm_bound`` x the reference, where the reference is the larger of the lower median RMS of the contributions
-    that passed the first rules and ``policy.reference_rms``.
+    that passed the first rules and ``policy.reference_rms``. With fewer than 3 such contributions the median says
+    nothing about which one is wrong (of two, the smaller would always be "the median", and a peer sending a tiny
+    contribution would get an honest partner excluded), so only ``policy.reference_rms`` is used, if known.
 
     Args:
         contributions: One contribution per sender.
@@ -124,7 +126,7 @@ def validate(contributions: Sequence[Contribution], policy: Policy,
     if policy.norm_bound <= 0 or not passed:
         return passed, excluded
     norms = [rms(c.tensor) for c in passed]
-    reference = max(_lower_median(norms), policy.reference_rms)
+    reference = max(_lower_median(norms) if len(norms) >= 3 else 0.0, policy.reference_rms)
     kept = []
     for c, r in zip(passed, norms):
         if reference > 0 and r > policy.norm_bound * reference:

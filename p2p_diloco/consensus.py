@@ -38,18 +38,27 @@ def synced(peers: dict[str, dict[str, Any]], round_: int | None = None) -> dict[
 
 
 def swarm_round(peers: dict[str, dict[str, Any]]) -> int:
-    """The highest round that at least half of the synced peers (rounded up) hold or have passed, or -1.
+    """The swarm's round: the highest round held (or passed) by two synced peers; with fewer than three synced
+    peers, the highest round any of them holds. -1 if none.
 
-    With one or two other peers that is the highest round any of them holds: a straggler follows whoever went
-    ahead. With more, one peer claiming a later round (a liar, or a buggy peer) is not followed: a peer that
-    trusted the highest claim would download whatever state that one peer serves for it, and the digest check
-    cannot help, since the claimant is then the majority of its own round. An honest peer that got ahead of
-    most others alone is caught up with instead (the majority's digest wins at the next round: needs_repair).
+    A straggler follows the peers that went ahead, which always come at least two at a time (a group), except
+    after a solo step. One peer claiming a later round alone (a liar, a buggy peer) is not followed once there are
+    three others to compare with: a peer that trusted the highest claim would download whatever state that one
+    peer serves for it, and the digest check cannot help, since the claimant is then the whole of its own round.
+    The honest peer that is ahead alone goes back to the others' round instead (:func:`alone_ahead`).
     """
     rounds = sorted((int(p.get("round", -1)) for p in synced(peers).values()), reverse=True)
     if not rounds:
         return -1
-    return rounds[(len(rounds) + 1) // 2 - 1]
+    return rounds[0] if len(rounds) < 3 else rounds[1]
+
+
+def alone_ahead(peers: dict[str, dict[str, Any]], round_: int) -> bool:
+    """True if we hold a later round than every one of at least three synced peers: they will not follow us
+    (:func:`swarm_round`), so we must go back to theirs, or the swarm would stay split (we stepped alone while they
+    were unreachable, or only we applied an all-reduce that failed for the others)."""
+    at = synced(peers)
+    return len(at) >= 3 and all(int(p.get("round", -1)) < round_ for p in at.values())
 
 
 def pick_donors(peers: dict[str, dict[str, Any]], round_: int, rng: random.Random | None = None
@@ -103,6 +112,8 @@ def check_donated_state(meta: dict, tensors: Sequence[torch.Tensor], theta: Sequ
     the digest is recomputed from the bytes received, so a transfer error cannot slip through either.
     """
     n = len(theta)
+    if not isinstance(meta, dict) or not isinstance(meta.get("round"), int) or not isinstance(meta.get("digest"), str):
+        return "malformed metadata"
     if meta.get("fp") != fingerprint or len(tensors) != 2 * n:
         return "fingerprint or tensor count mismatch"
     if any(a.shape != b.shape for a, b in zip(theta, tensors)):

@@ -274,7 +274,7 @@ class Peer(PeerCheckpoints, Recovery, OverlappedRounds):
         self.swarm.publish(phase="sync")  # our pseudo-gradient for round r is ready
         while not self.stop.is_set():
             peers = self._live_peers()
-            if consensus.swarm_round(peers) > r:
+            if consensus.swarm_round(peers) > r or consensus.alone_ahead(peers, r):
                 self.catch_up()
                 return False
             good = consensus.needs_repair(peers, r, self.digest)

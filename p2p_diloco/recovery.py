@@ -39,7 +39,7 @@ class Recovery:
             if self.stop.wait(self.cfg.swarm.heartbeat_period):
                 return False
             peers = self._live_peers()
-            if consensus.synced(peers, r) or consensus.swarm_round(peers) > r:
+            if consensus.synced(peers, r) or consensus.swarm_round(peers) > r or consensus.alone_ahead(peers, r):
                 return False
         self._last_group_size = 1
         return True
@@ -76,19 +76,24 @@ class Recovery:
         self._boundary(phase="join" if self.cfg.outer.overlap else "train")
 
     def catch_up(self) -> None:
-        """If a live peer is past our round, download the majority's (round, theta, momentum) of the highest
-        round. The caller announces the new round (:meth:`_boundary`)."""
+        """If the swarm is past our round, download the majority's (round, theta, momentum) of the swarm's round
+        (:func:`consensus.swarm_round`); if we are ahead alone of peers that will not follow us, go back to their
+        round the same way. The caller announces the new round (:meth:`_boundary`)."""
         for _ in range(3):
             peers = self._live_peers()
             target = consensus.swarm_round(peers)
-            if target <= self.round or self.stop.is_set():
+            back = consensus.alone_ahead(peers, self.round)
+            if (target <= self.round and not back) or target < 0 or self.stop.is_set():
                 return
+            if back:
+                log.warning("we hold round %d alone; the %d other peers are in earlier rounds and will not follow: "
+                            "going back to round %d", self.round, len(consensus.synced(peers)), target)
             self.metrics.status(f"downloading state of round {target} from the swarm")
             digest, donors = consensus.pick_donors(peers, target)
             if self.cfg.debug.prefer_donor in donors:  # tests only: make sure a given (lying) donor is tried first
                 donors.remove(self.cfg.debug.prefer_donor)
                 donors.insert(0, self.cfg.debug.prefer_donor)
-            if self._load_state(target, digest, donors):
+            if self._load_state(target, digest, donors, exact_round=back):
                 return
         log.warning("could not download the swarm's state; continuing from round %d", self.round)
 

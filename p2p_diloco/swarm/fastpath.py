@@ -37,6 +37,7 @@ from ..codecs import Codec
 MAGIC = b"P2PDILOCO1"
 _INDICES = struct.Struct("!HHd")
 _LEN = struct.Struct("!Q")
+REDUCE_CHUNK = 2**18  # values validated and combined at once (1 MiB of fp32, as the libp2p parts by default)
 
 
 class FastPathError(RuntimeError):
@@ -210,22 +211,42 @@ class FastAllReduce:
         self.contributed.add(sender)
         self._touch()
         if len(self.contributed) == self.n and not self.averaged.done():
-            self._reduce()
+            await self._reduce()
         encoded = await asyncio.shield(self.averaged)
         # Counted once handed to the transport: the sender may finish (and our stats be read) before we return.
         self.bytes_sent += encoded.numel() + _LEN.size + 1
         await _send_all(sock, memoryview(b"\x00" + _LEN.pack(encoded.numel())), self.chunk_timeout)
         await _send_all(sock, _view(encoded), self.chunk_timeout)
 
-    def _reduce(self) -> None:
-        """All contributions are in: our slice's encoded aggregate, or an error if none of them was valid."""
-        contributions = sorted(self.contributions, key=lambda c: c.sender)  # same bytes whatever the arrival order
-        kept, self.excluded = validate(contributions, self.policy, self._numel(self.index))
-        if not kept:
+    async def _reduce(self) -> None:
+        """All contributions are in: our slice's encoded aggregate, or an error if a chunk had no valid one.
+
+        Off the event loop (the other connections keep being served) and chunk by chunk, so the extra memory is
+        that of one chunk, not of the whole slice (which is half the model in a group of two)."""
+        encoded = await asyncio.get_event_loop().run_in_executor(None, self._reduce_slice)
+        self.contributions = []
+        if self.averaged.done():  # aborted meanwhile
+            return
+        if encoded is None:
             self.averaged.set_exception(FastPathError(f"no valid contribution to our slice: {self.excluded}"))
         else:
-            self.averaged.set_result(self.codec.encode(combine(kept, self.policy)))
-        self.contributions = []
+            self.averaged.set_result(encoded)
+
+    def _reduce_slice(self) -> torch.Tensor | None:
+        contributions = sorted(self.contributions, key=lambda c: c.sender)  # same bytes whatever the arrival order
+        numel = self._numel(self.index)
+        out = torch.empty(numel, dtype=torch.float32)
+        for start in range(0, numel, REDUCE_CHUNK):
+            stop = min(start + REDUCE_CHUNK, numel)
+            chunk = [Contribution(c.sender, c.tensor[start:stop], c.weight) for c in contributions]
+            kept, excluded = validate(chunk, self.policy, stop - start)
+            for sender, reason in excluded.items():
+                self.excluded.setdefault(sender, reason)
+            if not kept:
+                return None
+            out[start:stop] = combine(kept, self.policy)
+            self._touch()  # a long reduction is progress, not a silent peer (_wait_for_senders)
+        return self.codec.encode(out)
 
     # ------------------------------------------------------------------------------------------ sender side
     async def _send_to(self, j: int, connect_timeout: float) -> None:
@@ -275,7 +296,7 @@ class FastAllReduce:
     async def _own_slice(self) -> None:
         # We keep exactly what the others receive: the decoded bytes of our encoded average, not the exact one.
         if self.n == 1:
-            self._reduce()
+            await self._reduce()
         encoded = await self._wait_for_senders()
         self._decode_into(encoded, self.index)
         if self.n > 1:

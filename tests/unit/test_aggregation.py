@@ -198,3 +198,14 @@ def test_corrupt_random():
     # A contribution made this way is kept by validation (5x < 10x) but is no longer the honest one.
     assert validate([Contribution(0, x, 1.0), Contribution(1, a, 1.0), Contribution(2, x, 1.0)], Policy(),
                     10_000)[1] == {}
+
+
+def test_two_contributions_use_only_the_swarms_reference():
+    # of two, the smaller is always the lower median: a peer sending a tiny contribution must not get its honest
+    # partner excluded, so with fewer than 3 only the swarm's recent RMS (if known) bounds the norm
+    honest, tiny = torch.ones(8), torch.full((8,), 1e-4)
+    kept, excluded = validate([Contribution(0, honest, 1.0), Contribution(1, tiny, 1.0)], Policy(), 8)
+    assert excluded == {} and len(kept) == 2
+    huge = torch.full((8,), 1e3)
+    kept, excluded = validate([Contribution(0, honest, 1.0), Contribution(1, huge, 1.0)], Policy(reference_rms=1.0), 8)
+    assert list(excluded) == [1] and [c.sender for c in kept] == [0]

@@ -80,15 +80,27 @@ def test_check_donated_state_refuses_everything_but_what_we_asked_for():
     assert "digest" in check(meta, flipped, theta, "fp1", 4, None)
 
 
-def test_swarm_round_is_not_the_highest_claim_once_there_are_three_others():
+def test_swarm_round_needs_two_peers_once_there_are_three_others():
     # one or two others: a straggler follows whoever went ahead (nobody else to ask)
     assert consensus.swarm_round({"a": rec(7, "x")}) == 7
     assert consensus.swarm_round({"a": rec(7, "x"), "b": rec(3, "y")}) == 7
-    # three or more: at least half of them must have reached the round; one liar claiming round 1000 is not followed
+    # three or more: two of them must have reached the round; one liar claiming round 1000 is not followed
     assert consensus.swarm_round({"liar": rec(1000, "z"), "b": rec(3, "y"), "c": rec(3, "y")}) == 3
     assert consensus.swarm_round({"liar": rec(1000, "z"), "b": rec(4, "y"), "c": rec(3, "y")}) == 4
     assert consensus.swarm_round({"l": rec(9, "z"), "m": rec(9, "z"), "b": rec(3, "y"), "c": rec(3, "y")}) == 9
     assert consensus.swarm_round({"l": rec(9, "z"), "b": rec(3, "y"), "c": rec(3, "y"), "d": rec(3, "y")}) == 3
+    # a group that went ahead (two peers at least) is followed however many stayed behind
+    behind = {f"s{i}": rec(3, "y") for i in range(6)}
+    assert consensus.swarm_round({**behind, "a": rec(4, "x"), "b": rec(4, "x")}) == 4
+
+
+def test_a_peer_alone_ahead_of_three_or_more_goes_back():
+    three = {"b": rec(3, "y"), "c": rec(3, "y"), "d": rec(2, "w")}
+    assert consensus.alone_ahead(three, 5)  # nobody will follow us: we must go back to round 3
+    assert not consensus.alone_ahead({**three, "e": rec(5, "x")}, 5)  # another peer is with us: they follow
+    assert not consensus.alone_ahead({"b": rec(3, "y"), "c": rec(3, "y")}, 5)  # two others follow us anyway
+    assert not consensus.alone_ahead(three, 3)
+    assert not consensus.alone_ahead({**three, "d": rec(2, "w", "repair")}, 5)  # only synced peers count
 
 
 def test_donated_state_with_non_finite_values_is_refused():
