@@ -64,10 +64,10 @@ class Contribution:
 
 
 def rms(t: torch.Tensor) -> float:
-    """Root mean square of ``t``, computed in float64; 0.0 for an empty tensor."""
+    """Root mean square of ``t``, accumulated in float64 (no float64 copy of ``t``); 0.0 for an empty tensor."""
     if t.numel() == 0:
         return 0.0
-    return math.sqrt(t.detach().double().pow(2).mean().item())
+    return float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) / math.sqrt(t.numel())
 
 
 def _lower_median(values: Sequence[float]) -> float:
@@ -183,8 +183,9 @@ def _centered_clip(stack: torch.Tensor, weights: torch.Tensor, iters: int) -> to
 def combine(kept: Sequence[Contribution], policy: Policy) -> torch.Tensor:
     """Combine validated contributions into one new 1-D float32 tensor (inputs are left untouched).
 
-    Computed in float64 and cast back to float32. Weights are capped at ``norm_bound`` x the lower median weight
-    (when ``norm_bound > 0``) so that no peer can claim a huge token count to dominate.
+    ``mean`` is a running fp32 sum (the per-round hot path); the robust methods compute in float64. Weights are
+    capped at ``norm_bound`` x the lower median weight (when ``norm_bound > 0``) so that no peer can claim a huge
+    token count to dominate.
 
     Args:
         kept: The contributions to combine (normally the output of :func:`validate`).
@@ -201,15 +202,17 @@ def combine(kept: Sequence[Contribution], policy: Policy) -> torch.Tensor:
         raise AggregationError("no contribution to combine")
     if len(kept) == 1:
         return kept[0].tensor.detach().to(torch.float32).clone()
+    if policy.method == "mean":  # the hot path of every round: a running fp32 sum, as hivemind's reducer does
+        weights = _capped_weights(kept, policy).tolist()
+        out = torch.zeros_like(kept[0].tensor, dtype=torch.float32)
+        for c, w in zip(kept, weights):
+            out.add_(c.tensor.detach(), alpha=w)
+        return out.div_(sum(weights))
     stack = torch.stack([c.tensor.detach().double() for c in kept])
     if policy.method == "trimmed_mean":
         out = _trimmed_mean(stack, policy.trim)
     else:
-        weights = _capped_weights(kept, policy)
-        if policy.method == "mean":
-            out = (weights[:, None] * stack).sum(dim=0) / weights.sum()
-        else:
-            out = _centered_clip(stack, weights, policy.clip_iters)
+        out = _centered_clip(stack, _capped_weights(kept, policy), policy.clip_iters)
     return out.to(torch.float32)
 
 
