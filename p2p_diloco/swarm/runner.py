@@ -105,7 +105,13 @@ class ExactAllReduceRunner(AllReduceRunner):
 
     async def _communicate_with_peer(self, peer_id):
         if peer_id != self.peer_id:
-            return await super()._communicate_with_peer(peer_id)
+            try:
+                return await super()._communicate_with_peer(peer_id)
+            except Exception as e:
+                # hivemind logs why a reducer's stream failed at debug level only; this reason is what tells a
+                # timeout from a broken stream when a member aborts a round the others completed (README).
+                logger.warning(f"stream with reducer {peer_id} failed: {type(e).__name__}: {e}")
+                raise
         # Our own slice: reduce it locally, but hand ourselves exactly what the other peers get.
         peer_index = self.ordered_peer_ids.index(peer_id)
         sender_index = self.sender_peer_ids.index(peer_id)
