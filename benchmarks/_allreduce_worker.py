@@ -198,7 +198,7 @@ class Worker:
     def __post_init__(self):
         import torch
 
-        from p2p_diloco.processes import keep_freed_memory
+        from p2p_diloco.runtime.processes import keep_freed_memory
 
         torch.set_num_threads(1)  # N peers share the machine's cores
         # The allocator setting a p2p-diloco peer runs with (Swarm.start), applied to the whole worker before any
@@ -263,7 +263,7 @@ class Worker:
             self.averager = ExactAverager(tensors, self.dht, allreduce_timeout=60, next_chunk_timeout=10,
                                           part_size_bytes=2**20, compression=compression_for(codec), **common)
             if transport == "tcp":
-                from p2p_diloco.codecs import get_codec
+                from p2p_diloco.outer.codecs import get_codec
                 from p2p_diloco.swarm.fastpath import listen_socket
 
                 self.averager.codec, self.averager.data_socket = get_codec(codec), listen_socket("127.0.0.1")

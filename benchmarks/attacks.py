@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from p2p_diloco.launcher import parse_join_line
+from p2p_diloco.cli.launcher import parse_join_line
 from p2p_diloco.metrics import read_events
 
 # (name, corruption of peer 3 or "", --set items for every peer)
@@ -101,7 +101,7 @@ def main() -> None:
         print(f"{name:28s} final eval loss {results[name]['loss']:.4f}  exclusions {results[name]['excluded']}",
               flush=True)
     honest = results["honest / mean"]["loss"]
-    print(f"\n| arm | final eval loss | / honest mean | exclusions |\n|---|---|---|---|")
+    print("\n| arm | final eval loss | / honest mean | exclusions |\n|---|---|---|---|")
     for name, r in results.items():
         print(f"| {name} | {r['loss']:.4f} | {r['loss'] / honest:.3f} | {r['excluded']} |")
     defended = [r["loss"] / honest for name, r in results.items() if "no bound" not in name]

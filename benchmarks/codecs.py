@@ -29,14 +29,14 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco import outer
-from p2p_diloco.codecs import CODECS, get_codec
+from p2p_diloco.outer import optimizer as outer
+from p2p_diloco.outer.codecs import CODECS, get_codec
 from p2p_diloco.config import Config
-from p2p_diloco.data import PackedStream
-from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.training.data import PackedStream
+from p2p_diloco.training.inner import InnerTrainer
 from p2p_diloco.metrics import read_events
-from p2p_diloco.model import build_model
-from p2p_diloco.tokenizer import build_tokenizer, vocab_size
+from p2p_diloco.training.model import build_model
+from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 
 
 def real_pseudo_gradient(cfg: Config) -> torch.Tensor:

@@ -44,11 +44,11 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.config import Config, load_config
-from p2p_diloco.data import PackedStream, eval_batches
-from p2p_diloco.inner import evaluate, lr_at
+from p2p_diloco.training.data import PackedStream, eval_batches
+from p2p_diloco.training.inner import evaluate, lr_at
 from p2p_diloco.metrics import read_events
-from p2p_diloco.model import build_model, count_parameters
-from p2p_diloco.tokenizer import build_tokenizer, vocab_size
+from p2p_diloco.training.model import build_model, count_parameters
+from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 
 DATA_SEED = 1  # worker i reads data order DATA_SEED + i (as ``p2p-diloco swarm --data-seed 1``)
 

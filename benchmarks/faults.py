@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psutil
 
-from p2p_diloco.launcher import parse_join_line
+from p2p_diloco.cli.launcher import parse_join_line
 from p2p_diloco.metrics import read_events
 
 FAST = ["--set", "eval.batches=2", "--set", "data.max_bytes=1500000", "--set", "swarm.matchmaking_time=5.0",

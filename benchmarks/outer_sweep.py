@@ -2,9 +2,9 @@
 
 Why this exists: choosing the outer step (lr, momentum) needs many runs, and the real swarm spends most of a tiny
 run on process start-up and matchmaking. This script runs the *same* code a peer runs, minus the swarm: N
-:class:`~p2p_diloco.inner.InnerTrainer` s (each with its own AdamW state and data order ``DATA_SEED + i``, as
-``p2p-diloco swarm --data-seed 1`` gives), :func:`~p2p_diloco.outer.pseudo_gradient`, the uniform mean, and
-:class:`~p2p_diloco.outer.OuterOptimizer`. Only the summation order of the mean differs from the swarm's
+:class:`~p2p_diloco.training.inner.InnerTrainer` s (each with its own AdamW state and data order ``DATA_SEED + i``, as
+``p2p-diloco swarm --data-seed 1`` gives), :func:`~p2p_diloco.outer.optimizer.pseudo_gradient`, the uniform mean, and
+:class:`~p2p_diloco.outer.optimizer.OuterOptimizer`. Only the summation order of the mean differs from the swarm's
 butterfly all-reduce, so losses agree with ``convergence.py``'s swarm arms up to float noise, not bit for bit.
 ``convergence.py`` stays the benchmark of record; this is the instrument for sweeps.
 
@@ -29,12 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from convergence import DATA_SEED, local_arm  # noqa: E402
 
-from p2p_diloco import outer  # noqa: E402
+from p2p_diloco.outer import optimizer as outer  # noqa: E402
 from p2p_diloco.config import Config, load_config  # noqa: E402
-from p2p_diloco.data import PackedStream, eval_batches  # noqa: E402
-from p2p_diloco.inner import InnerTrainer, evaluate  # noqa: E402
-from p2p_diloco.model import build_model, count_parameters  # noqa: E402
-from p2p_diloco.tokenizer import build_tokenizer, vocab_size  # noqa: E402
+from p2p_diloco.training.data import PackedStream, eval_batches  # noqa: E402
+from p2p_diloco.training.inner import InnerTrainer, evaluate  # noqa: E402
+from p2p_diloco.training.model import build_model, count_parameters  # noqa: E402
+from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size  # noqa: E402
 
 CPU = torch.device("cpu")
 

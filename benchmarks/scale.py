@@ -30,13 +30,13 @@ from pathlib import Path
 import psutil
 import torch
 
-from p2p_diloco import outer
-from p2p_diloco.codecs import CODECS, get_codec
+from p2p_diloco.outer import optimizer as outer
+from p2p_diloco.outer.codecs import CODECS, get_codec
 from p2p_diloco.config import load_config
-from p2p_diloco.data import PackedStream
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.model import build_model, count_parameters
-from p2p_diloco.tokenizer import build_tokenizer, vocab_size
+from p2p_diloco.training.data import PackedStream
+from p2p_diloco.training.inner import InnerTrainer
+from p2p_diloco.training.model import build_model, count_parameters
+from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 
 SIZES = {"small": ["model.hidden_size=256", "model.intermediate_size=688", "model.num_layers=4"],
          "large": ["model.hidden_size=512", "model.intermediate_size=1376", "model.num_layers=4"]}
@@ -146,7 +146,7 @@ def main() -> None:
         print(f"   {name}: per GPU {inner * p / 1e9:,.0f} GB with DDP, {inner * p / K / 1e9:,.0f} GB if sharded "
               f"over {K} (FSDP); rank-0 host {outer_side * p / 1e9:,.0f} GB, {outer_side * p / K / 1e9:,.0f} GB "
               f"per rank if sharded")
-    print(f"\nBytes sent per peer per round (2(N-1)/N x payload) and transfer time:")
+    print("\nBytes sent per peer per round (2(N-1)/N x payload) and transfer time:")
     for name, p in TARGETS.items():
         for c in ("none", "int8"):
             sent = 2 * (N - 1) / N * per[f"payload {c}"] * p

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from scale import COMMON, SIZES  # noqa: E402 (the same model and settings as benchmarks/scale.py)
 
 from p2p_diloco.config import load_config  # noqa: E402
-from p2p_diloco.launcher import parse_join_line  # noqa: E402
-from p2p_diloco.model import build_model, count_parameters  # noqa: E402
-from p2p_diloco.tokenizer import build_tokenizer, vocab_size  # noqa: E402
+from p2p_diloco.cli.launcher import parse_join_line  # noqa: E402
+from p2p_diloco.training.model import build_model, count_parameters  # noqa: E402
+from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size  # noqa: E402
 
 SETS = [*COMMON, "swarm.min_peers=2", "outer.shards=2"]
 

@@ -39,8 +39,8 @@ import threading
 import time
 from pathlib import Path
 
-from p2p_diloco.codecs import CODECS
-from p2p_diloco.launcher import PeerProc, stop_peers
+from p2p_diloco.outer.codecs import CODECS
+from p2p_diloco.cli.launcher import PeerProc, stop_peers
 from p2p_diloco.metrics import read_events
 
 REPO = Path(__file__).resolve().parent.parent

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from p2p_diloco.errors import UsageError
-from p2p_diloco.outer import digest
-from p2p_diloco.shards import global_digest, shard_digest
+from p2p_diloco.outer.optimizer import digest
+from p2p_diloco.outer.shards import global_digest, shard_digest
 
 FORMAT = 1
 _NAME = re.compile(r"round-(\d{8,})\.pt")

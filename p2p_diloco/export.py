@@ -67,9 +67,9 @@ def load_trained(checkpoint: str | Path, config_path: str | None = None, sets: I
         UsageError: (one line) no checkpoint, a corrupt one, a config that cannot be built, or a model whose
             shape differs from the checkpoint's.
     """
-    from .model import build_model
-    from .outer import load_into
-    from .tokenizer import build_tokenizer, vocab_size
+    from .training.model import build_model
+    from .outer.optimizer import load_into
+    from .training.tokenizer import build_tokenizer, vocab_size
 
     path = checkpoint_path(checkpoint)
     state = CheckpointStore(path.parent).load(path)
@@ -101,8 +101,8 @@ def _theta_from_shards(state: PeerState, path: Path, params) -> list:
 
 def evaluate_trained(trained: Trained) -> dict:
     """Eval loss and perplexity of the global weights on ``cfg.data``'s held-out split (``eval.batches``)."""
-    from .data import eval_batches
-    from .inner import evaluate
+    from .training.data import eval_batches
+    from .training.inner import evaluate
 
     batches = eval_batches(trained.tokenizer, trained.cfg.data, trained.cfg.eval.batches)
     if not batches:

@@ -37,7 +37,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.streaming import combine_from_streaming
 
-from ..aggregation import Policy
+from ..outer.aggregation import Policy
 from .fastpath import DataServer, FastAllReduce
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
 
@@ -57,8 +57,10 @@ class ExactAverager(DecentralizedAverager):
     codec = None  # the run's Codec, used by the data plane
     _data_server = None
     state_provider = None  # host-side callable returning (metadata, tensors); set before the averager starts
-    part_delay = 0.0  # seconds slept before sending each part: a fault-test hook (debug.part_delay), never in runs
-    state_delay = 0.0  # the same for each chunk of a state download (debug.state_delay)
+    # Fault hooks of the real-process tests (tests/swarm/faulty_peer.py sets them before the averager forks): seconds
+    # slept before sending each all-reduce part, and before each chunk of a state download we serve. 0 in a run.
+    part_delay = 0.0
+    state_delay = 0.0
     policy = Policy()  # how our reducer validates and combines contributions (reference_rms is set per round)
     allowed: frozenset[str] | None = None  # swarm.allowed_peers (base58 ids); None = an open swarm
 

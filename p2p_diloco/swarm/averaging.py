@@ -1,7 +1,7 @@
 """The averagers of one process: all-reduce and state download on top of :class:`ExactAverager`.
 
 In ``outer.sharding = "rank0"`` mode a peer has one averager for the whole pseudo-gradient. In ``"sharded"`` mode
-each local rank has one averager per logical shard it keeps (``p2p_diloco/shards.py``), under the key
+each local rank has one averager per logical shard it keeps (``p2p_diloco/outer/shards.py``), under the key
 ``<run>_<fingerprint>_s<j>``, so shard j meets shard j of every other peer whatever their rank layouts. A round's
 all-reduce runs the steps of all of this process's averagers at once and succeeds only if every one of them
 does; the result stays in the averagers' buffers until :meth:`Averagers.read_into`, so that the ranks of a peer
@@ -14,31 +14,20 @@ import collections
 import logging
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 from hivemind.averaging.control import AveragingStage
 
-from ..aggregation import Policy, corrupt_
-from ..codecs import get_codec
+from ..outer.aggregation import Policy, corrupt_
+from ..outer.codecs import get_codec
 from ..errors import RoundFailed, SwarmError
+from .port import AllReduceResult
 from .averager import ExactAverager
 from .compression import compression_for
 from .fastpath import listen_socket
 
 log = logging.getLogger("p2p_diloco.swarm")
-
-
-@dataclass
-class AllReduceResult:
-    group_size: int
-    bytes_sent: int
-    bytes_received: int
-    seconds: float
-    gathered: dict[str, Any]
-    assembly_seconds: float = 0.0  # of ``seconds``: matchmaking, until the group was assembled
-    excluded: dict[str, str] = field(default_factory=dict)  # {peer id: reason} our reducers left out
 
 
 RMS_HISTORY = 5  # rounds of averaged pseudo-gradient RMS behind the norm bound's reference
@@ -106,8 +95,6 @@ class Averagers:
                 shutdown_timeout=5, client_mode=self.sc.client_mode,
             )
             averager.state_provider = state_providers[key]
-            averager.part_delay = cfg.debug.part_delay  # copied into the averager process when it forks
-            averager.state_delay = cfg.debug.state_delay
             averager.codec = get_codec(cfg.outer.compression)
             averager.policy, averager.allowed = policy_of(cfg), allowed
             address = None

@@ -14,7 +14,7 @@ from typing import Sequence
 import hivemind
 
 from ..errors import SwarmError
-from ..processes import reap_children
+from ..runtime.processes import reap_children
 from .identity import Identity
 
 

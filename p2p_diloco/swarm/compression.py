@@ -1,4 +1,4 @@
-"""hivemind ``CompressionBase`` adapters for the codecs of :mod:`p2p_diloco.codecs`.
+"""hivemind ``CompressionBase`` adapters for the codecs of :mod:`p2p_diloco.outer.codecs`.
 
 hivemind picks a deserializer by the ``compression`` enum of each message, from a fixed protobuf enum. Our int8,
 int4 and bf16 take the ``BLOCKWISE_8BIT``, ``UNIFORM_8BIT`` and ``MEANSTD_16BIT`` slots (the stock 8-bit codecs
@@ -16,11 +16,11 @@ from hivemind.compression import CompressionBase, CompressionInfo, Float16Compre
 from hivemind.compression import serialization
 from hivemind.proto import runtime_pb2
 
-from ..codecs import Codec, get_codec
+from ..outer.codecs import Codec, get_codec
 
 
 class CodecCompression(CompressionBase):
-    """Wraps a :class:`~p2p_diloco.codecs.Codec` (bf16/int8/int4) as a hivemind compression."""
+    """Wraps a :class:`~p2p_diloco.outer.codecs.Codec` (bf16/int8/int4) as a hivemind compression."""
 
     def __init__(self, codec: Codec, compression_type: int):
         self.codec, self.compression_type = codec, compression_type

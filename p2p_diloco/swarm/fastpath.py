@@ -31,8 +31,8 @@ from typing import Sequence
 
 import torch
 
-from ..aggregation import Contribution, Policy, combine, validate
-from ..codecs import Codec
+from ..outer.aggregation import Contribution, Policy, combine, validate
+from ..outer.codecs import Codec
 
 MAGIC = b"P2PDILOCO1"
 _INDICES = struct.Struct("!HHd")

@@ -19,7 +19,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import amap_in_executor
 
-from ..aggregation import Policy
+from ..outer.aggregation import Policy
 from .reducer import ValidatingPartReducer
 
 logger = get_logger(__name__)

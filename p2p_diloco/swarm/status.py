@@ -7,13 +7,14 @@ so forged or unsigned records are dropped exactly as a training peer drops them 
 from __future__ import annotations
 
 import signal
-from typing import Any, Sequence
+from typing import Sequence
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 
 from ..errors import SwarmError
-from ..processes import reap_children
+from ..protocol.records import PeerRecord
+from ..runtime.processes import reap_children
 from .identity import OwnedRecordsValidator, records_by_owner
 from .schema import RunRecordsValidator
 
@@ -37,13 +38,14 @@ class StatusClient:
         finally:
             signal.signal(signal.SIGINT, previous)
 
-    def read_live_records(self) -> dict[str, dict[str, Any]]:
+    def read_live_records(self) -> dict[str, PeerRecord]:
         """``{peer_id: record}`` of every live, validly signed record of the run."""
         try:
             found = self.dht.get(self.key, latest=True, return_future=True).result(timeout=READ_TIMEOUT)
         except Exception as e:
             raise SwarmError(f"reading the swarm's records failed: {type(e).__name__}") from None
-        return {pid: item.value for pid, item in records_by_owner(found).items() if isinstance(item.value, dict)}
+        return {pid: PeerRecord.from_wire(item.value) for pid, item in records_by_owner(found).items()
+                if isinstance(item.value, dict)}
 
     def shutdown(self) -> None:
         if self.dht.is_alive():

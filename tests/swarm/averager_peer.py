@@ -101,7 +101,7 @@ def main() -> None:
     args = p.parse_args()
     import hivemind
 
-    from p2p_diloco.outer import digest
+    from p2p_diloco.outer.optimizer import digest
     from p2p_diloco.swarm.averager import ExactAverager
     from p2p_diloco.swarm.compression import compression_for
 
@@ -118,7 +118,7 @@ def main() -> None:
                        compression=compression_for(args.codec))
     gather = {}
     if args.transport == "tcp":  # what Swarm does: a listening socket before the fork, its address in the gather
-        from p2p_diloco.codecs import get_codec
+        from p2p_diloco.outer.codecs import get_codec
         from p2p_diloco.swarm.fastpath import listen_socket
 
         av.codec, av.data_socket = get_codec(args.codec), listen_socket("127.0.0.1")

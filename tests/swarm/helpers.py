@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from p2p_diloco.launcher import parse_join_line
+from p2p_diloco.cli.launcher import parse_join_line
 from p2p_diloco.metrics import read_events
 
 TAG_VAR = "P2P_DILOCO_TEST_TAG"
@@ -24,14 +24,16 @@ class Proc:
     """A `python -m p2p_diloco ...` subprocess with its stdout collected by a thread."""
 
     def __init__(self, args: list[str], tag: str, cwd: Path | None = None, prefix: list[str] | None = None,
-                 python_args: list[str] | None = None):
-        if args[:1] == ["join"] and "--host-maddrs" not in args:  # a peer listens on every interface by default
-            args = ["join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args[1:]]
+                 python_args: list[str] | None = None, module: str = "p2p_diloco"):
+        if "join" in args[:3] and "--host-maddrs" not in args:  # a peer listens on every interface by default
+            at = args.index("join") + 1
+            args = [*args[:at], "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args[at:]]
         env = dict(os.environ, PYTHONUNBUFFERED="1", **{TAG_VAR: tag})
         env.pop("P2P_DILOCO_INITIAL_PEERS", None)
         # prefix: e.g. ``ip netns exec NS`` (it execs the command, so the pid and process group stay ours);
         # python_args: e.g. ``-m torch.distributed.run --nproc-per-node 2`` (a cluster peer; see torchrun_args)
-        self.proc = subprocess.Popen([*(prefix or []), sys.executable, *(python_args or []), "-m", "p2p_diloco", *args],
+        # module: tests.swarm.faulty_peer for a peer with fault hooks (its own arguments come first)
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, *(python_args or []), "-m", module, *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True, stdin=subprocess.DEVNULL, cwd=cwd)
         self.lines: list[str] = []

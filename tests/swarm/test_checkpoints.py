@@ -1,4 +1,5 @@
-"""Checkpoints through the real CLI: exact resume, taking the swarm's state when it is ahead, bad checkpoints."""
+"""Checkpoints through the real CLI, on disk: exact resume after SIGTERM, bad checkpoints. (A restarted peer that
+takes the swarm's state when the swarm is ahead: tests/sim/test_joining.py.)"""
 
 import signal
 import time
@@ -6,7 +7,7 @@ import time
 import pytest
 
 from tests.conftest import survivors
-from tests.swarm.helpers import FAULT, Proc, events_of, load_json, start_peers, wait_for_event
+from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_event
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 
@@ -41,29 +42,6 @@ def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, reap):
     ev = events_of(tmp_path / "resumed", resumed)
     assert [e["round"] for e in ev if e["event"] == "resumed"] == [stopped["rounds_completed"]]
     assert len(list(ckpt.glob("round-*.pt"))) == 3  # keep = 3
-    assert not survivors(reap)
-
-
-def test_restarted_peer_takes_the_swarm_state_when_the_swarm_is_ahead(tmp_path, reap):
-    ckpt = tmp_path / "ckpt-b"
-    rounds = 20  # alone, `a` runs a round in ~1 s: leave it rounds to play while b restarts
-    a, b = start_peers(2, tmp_path, reap, "t-ahead", rounds=rounds, extra={1: ["--checkpoint-dir", str(ckpt)]})
-    wait_for_event(tmp_path / b.peer_id / "events.jsonl",
-                   lambda e: e["event"] == "checkpoint_saved" and e["round"] == 1, 240, b)
-    b.kill_group()  # a crash: only the round-boundary checkpoint survives
-    wait_for_event(tmp_path / a.peer_id / "events.jsonl",
-                   lambda e: e["event"] == "outer_step" and e["round"] == 3, 240, a)
-    b2 = Proc(["join", "--initial-peers", *a.wait_joined(), "--run-id", "t-ahead", "--max-rounds", str(rounds),
-               "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "b2.json"), "--checkpoint-dir", str(ckpt),
-               "--resume", *FAULT], reap)
-    assert b2.wait(240) == 0, b2.stderr_tail()
-    assert a.wait(120) == 0, a.stderr_tail()
-    ev = events_of(tmp_path, b2)
-    resumed = [e for e in ev if e["event"] == "resumed"]
-    loaded = [e for e in ev if e["event"] == "state_loaded"]
-    assert resumed and resumed[0]["round"] == 1
-    assert loaded and loaded[0]["round"] >= 3 and loaded[0]["from_peer"] == a.peer_id
-    assert load_json(tmp_path / "b2.json")["global_digest"] == load_json(tmp_path / "p0.json")["global_digest"]
     assert not survivors(reap)
 
 

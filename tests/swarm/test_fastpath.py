@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from p2p_diloco.codecs import CODECS, get_codec
+from p2p_diloco.outer.codecs import CODECS, get_codec
 from p2p_diloco.swarm import fastpath
 from p2p_diloco.swarm.fastpath import MAGIC, DataServer, FastAllReduce, FastPathError, listen_socket
 
@@ -19,7 +19,7 @@ def _vectors(n, numel=50_000):
     return [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
-async def _members(n, codec, vectors, weights, group_id, chunk_timeout=2.0):
+async def _members(n, codec, vectors, weights, group_id, chunk_timeout=2.0, policy=None):
     socks = [listen_socket("127.0.0.1") for _ in range(n)]
     addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in socks]
     servers = [DataServer(s, register_timeout=5.0) for s in socks]
@@ -27,8 +27,8 @@ async def _members(n, codec, vectors, weights, group_id, chunk_timeout=2.0):
         await server.start()
     numel = vectors[0].numel()
     bounds = [numel * i // n for i in range(n + 1)]
-    runners = [FastAllReduce(group_id, i, addresses, vectors[i], bounds, weights[i], codec, chunk_timeout)
-               for i in range(n)]
+    runners = [FastAllReduce(group_id, i, addresses, vectors[i], bounds, weights[i], codec, chunk_timeout,
+                             **({"policy": policy} if policy else {})) for i in range(n)]
     for server, runner in zip(servers, runners):
         server.register(runner)
     return servers, runners
@@ -57,6 +57,25 @@ def test_every_member_gets_the_same_bits(codec):
     payload = get_codec(codec).payload_bytes(vectors[0].numel())
     for r in runners:  # 2(N-1)/N of the encoded payload each way, plus 8-9 bytes of framing per message
         assert abs(r.bytes_sent - 2 * 3 / 4 * payload) < 0.02 * payload + 100
+
+
+def test_every_reducer_leaves_a_non_finite_contribution_out():
+    """The TCP data plane's reducers validate what they are sent (p2p_diloco/outer/aggregation.py): a member's NaN
+    pseudo-gradient is left out of every slice, named by every reducer, and the others' mean is what all get."""
+    async def main():
+        n = 4
+        vectors = _vectors(n)
+        vectors[3] = torch.full_like(vectors[3], float("nan"))
+        servers, runners = await _members(n, get_codec("none"), vectors, [1.0] * n, os.urandom(20))
+        outs = await asyncio.wait_for(asyncio.gather(*(r.run(2.0, 10.0) for r in runners)), 30)
+        await _close(servers)
+        return vectors, runners, outs
+
+    vectors, runners, outs = asyncio.run(main())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    honest = sum(vectors[:3]) / 3
+    assert ((outs[0] - honest).norm() / honest.norm()).item() < 1e-6
+    assert all(set(r.excluded) == {3} for r in runners), [r.excluded for r in runners]
 
 
 def test_a_member_that_vanishes_fails_everyone_fast():

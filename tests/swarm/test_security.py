@@ -1,5 +1,5 @@
-"""An open swarm survives bad peers (docs/security.md): a peer sending corrupted pseudo-gradients, a stranger in a
-private run, and a donor serving corrupted state. Real subprocess peers on 127.0.0.1."""
+"""An open swarm survives bad peers (docs/security.md): a peer sending corrupted pseudo-gradients and a stranger in
+a private run, with real subprocess peers on 127.0.0.1 (the other attacks and a lying donor: tests/sim)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ from tests.swarm.helpers import FAULT, Proc, digests_by_round, eval_by_round, ev
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(420)]
 ROUNDS = 4
-# The honest peers' final eval loss may differ from an honest-only run's by this much (absolute, nats). An honest
-# 4-peer run vs one whose 4th peer sends garbage: the garbage is left out or clipped, so the honest peers average
-# 3 pseudo-gradients instead of 4. Measured differences are in docs/security.md.
-LOSS_MARGIN = 0.05
 
 
 def _run_four(tmp_path: Path, tag: str, run_id: str, fourth: list[str], every: list[str] = ()) -> list[Proc]:
@@ -30,32 +26,12 @@ def _run_four(tmp_path: Path, tag: str, run_id: str, fourth: list[str], every: l
     return procs
 
 
-@pytest.fixture(scope="module")
-def honest_final_loss(tmp_path_factory) -> float:
-    """The final eval loss of an honest-only 4-peer run (the reference every attacked run is compared with)."""
-    from tests.conftest import tagged_processes
-
-    tmp = tmp_path_factory.mktemp("honest")
-    tag = "security-honest-reference"
-    try:
-        procs = _run_four(tmp, tag, "t-sec-honest", [])
-    finally:
-        for proc in tagged_processes(tag):
-            proc.kill()
-    finals = {eval_by_round(events_of(tmp, p))[ROUNDS] for p in procs}
-    assert len(finals) == 1, finals  # bit-identical global weights: one eval loss
-    return finals.pop()
-
-
-@pytest.mark.parametrize("mode, aggregation", [("nan", "mean"), ("scale:1000", "mean"),
-                                               ("random", "centered_clip")])
-def test_malicious_peer_cannot_ruin_the_model(tmp_path, reap, honest_final_loss, mode, aggregation):
-    """A 4-peer swarm whose 4th peer sends a corrupted pseudo-gradient every round. NaN and scaled ones are left out
-    by the reducers (contribution_excluded names the attacker); random noise of 5x the honest RMS passes the norm
-    bound and is clipped by centered_clip. The honest peers stay finite, keep learning, end within LOSS_MARGIN of
-    the honest-only run, and every peer holds the same digest after every round."""
-    procs = _run_four(tmp_path, reap, f"t-sec-{mode.replace(':', '')}", ["--debug-corrupt-pseudo-gradient", mode],
-                      every=["--set", f"outer.aggregation={aggregation}"])
+def test_malicious_peer_is_left_out_by_every_reducer(tmp_path, reap):
+    """A 4-peer swarm whose 4th peer sends NaN pseudo-gradients every round (through the real reducers of the TCP
+    data plane): every honest peer's reducers leave it out (``contribution_excluded`` names it), the honest peers
+    stay finite and keep learning, and every peer holds the same digest after every round. The other attacks, and
+    the comparison with an honest-only run, are scenarios of tests/sim/test_joining.py."""
+    procs = _run_four(tmp_path, reap, "t-sec-nan", ["--debug-corrupt-pseudo-gradient", "nan"])
     honest, attacker = procs[:3], procs[3]
     for p in honest:
         events = events_of(tmp_path, p)
@@ -63,13 +39,9 @@ def test_malicious_peer_cannot_ruin_the_model(tmp_path, reap, honest_final_loss,
         assert sorted(losses) == list(range(ROUNDS + 1)), losses
         assert all(math.isfinite(v) for v in losses.values()), losses
         assert losses[ROUNDS] < losses[0] - 0.5, losses  # still learning
-        assert abs(losses[ROUNDS] - honest_final_loss) <= LOSS_MARGIN, (losses[ROUNDS], honest_final_loss)
         assert [e["group_size"] for e in events if e["event"] == "allreduce_done"] == [4] * ROUNDS
         excluded = {e["peer"] for e in events if e["event"] == "contribution_excluded"}
-        if mode == "random":
-            assert excluded == set()  # within the norm bound: clipped, not excluded
-        else:
-            assert excluded == {attacker.peer_id}, excluded
+        assert excluded == {attacker.peer_id}, excluded
     assert all(len(d) == 1 for d in digests_by_round(tmp_path, procs).values()), digests_by_round(tmp_path, procs)
 
 
@@ -118,27 +90,3 @@ def test_a_peer_outside_its_own_allowlist_is_a_one_line_error(tmp_path, reap):
                  "--log-dir", str(tmp_path), *FAULT], reap)
     assert proc.wait(120) == 2
     assert "is not in swarm.allowed_peers" in proc.stderr_tail(), proc.stderr_tail()
-
-
-def test_joiner_detects_a_lying_donor_and_uses_another(tmp_path, reap):
-    """Three peers train; peer 2 serves a corrupted state whose digest matches its (corrupted) contents. A peer
-    joining after round 1 tries the liar first, refuses its state (not the majority's digest), downloads from an
-    honest donor, and then holds the swarm's digest in every round."""
-    (id2, liar), = _identities(tmp_path, 1)
-    slow = ["--debug-step-delay", "0.2"]  # ~4 s more a round: the swarm is still there when the joiner is up
-    liar_flags = [*slow, "--identity-path", id2, "--set", "debug.corrupt_state=true"]
-    procs = start_peers(3, tmp_path, reap, "t-liar", 5, extra={0: slow, 1: slow, 2: liar_flags})
-    wait_for_event(tmp_path / procs[0].peer_id / "events.jsonl",
-                   lambda e: e["event"] == "outer_step" and e["round"] == 1, 180, procs[0])
-    joiner = Proc(["join", "--initial-peers", *procs[0].join_maddrs, "--run-id", "t-liar", "--max-rounds", "5",
-                   "--log-dir", str(tmp_path), "--set", f"debug.prefer_donor={liar}", *FAULT], reap)
-    for p in [*procs, joiner]:
-        assert p.wait(300) == 0, p.stderr_tail()
-    events = events_of(tmp_path, joiner)
-    downloads = [e for e in events if e["event"].startswith("state_")]
-    failed = [e for e in downloads if e["event"] == "state_download_failed"]
-    assert failed and failed[0]["from_peer"] == liar, downloads
-    assert "majority" in failed[0]["reason"], failed[0]
-    loaded = [e for e in downloads if e["event"] == "state_loaded"]
-    assert loaded and loaded[0]["from_peer"] != liar, downloads
-    assert all(len(d) == 1 for d in digests_by_round(tmp_path, [*procs, joiner]).values())

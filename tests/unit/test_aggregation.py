@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from p2p_diloco.aggregation import (RANDOM_RMS, AggregationError, Contribution, Policy, aggregate, combine,
+from p2p_diloco.outer.aggregation import (RANDOM_RMS, AggregationError, Contribution, Policy, aggregate, combine,
                                     corrupt_, parse_corruption, rms, validate)
 
 pytestmark = pytest.mark.unit

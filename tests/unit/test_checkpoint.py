@@ -9,7 +9,7 @@ import torch
 from p2p_diloco import checkpoint
 from p2p_diloco.checkpoint import CheckpointError, CheckpointStore, PeerState, capture_rng, restore_rng
 from p2p_diloco.errors import UsageError
-from p2p_diloco.outer import digest
+from p2p_diloco.outer.optimizer import digest
 
 pytestmark = pytest.mark.unit
 

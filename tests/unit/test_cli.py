@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from p2p_diloco.launcher import format_table, parse_join_line
+from p2p_diloco.cli.launcher import format_table, parse_join_line
 
 pytestmark = pytest.mark.unit
 PEER = "12D3KooWAJ6LLP9vy8TfHi4hdDVvYT81fFM7YibrdRCRvaUyi1X8"

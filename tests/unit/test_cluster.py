@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from p2p_diloco.cluster import Cluster, check
+from p2p_diloco.local.cluster import Cluster, check
 from p2p_diloco.config import Config, ConfigError, load_config
-from p2p_diloco.config_checks import validate
+from p2p_diloco.config.checks import validate
 
 pytestmark = pytest.mark.unit
 

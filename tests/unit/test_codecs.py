@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from p2p_diloco.codecs import CODECS, get_codec
+from p2p_diloco.outer.codecs import CODECS, get_codec
 
 pytestmark = pytest.mark.unit
 # Relative L2 error on Gaussian data (measured: fp16 2.1e-4, bf16 1.7e-3, int8 6.5e-3, int4 1.1e-1).

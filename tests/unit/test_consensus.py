@@ -5,14 +5,16 @@ import random
 import pytest
 import torch
 
-from p2p_diloco import consensus
-from p2p_diloco.outer import digest as digest_of
+from p2p_diloco.outer.optimizer import digest as digest_of
+from p2p_diloco.outer.state import check_donated_state
+from p2p_diloco.protocol import consensus
+from p2p_diloco.protocol.records import PeerRecord
 
 pytestmark = pytest.mark.unit
 
 
 def rec(round_, digest, phase="train", inner_step=0):
-    return {"round": round_, "digest": digest, "phase": phase, "inner_step": inner_step}
+    return PeerRecord.from_wire({"round": round_, "digest": digest, "phase": phase, "inner_step": inner_step})
 
 
 def test_majority_digest_counts_and_breaks_ties_the_same_way_everywhere():
@@ -39,7 +41,7 @@ def test_pick_donors_takes_the_majority_of_the_highest_round_only():
     assert consensus.swarm_round(peers) == 5  # "repair" records do not count
     digest, donors = consensus.pick_donors(peers, 5, random.Random(0))
     assert digest == "x" and sorted(donors) == ["a", "b"]
-    assert consensus.pick_donors({}, 5) == (None, [])
+    assert consensus.pick_donors({}, 5, random.Random(0)) == (None, [])
     assert consensus.swarm_round({}) == -1
 
 
@@ -50,7 +52,7 @@ def test_round_well_under_way():
     assert consensus.round_well_under_way(one(51), 2, H)
     three = {k: rec(2, "x", inner_step=s) for k, s in (("a", 10), ("b", 24), ("c", 3))}
     assert not consensus.round_well_under_way(three, 2, H)  # N=3: up to H/4
-    three["b"]["inner_step"] = 26
+    three["b"] = rec(2, "x", inner_step=26)
     assert consensus.round_well_under_way(three, 2, H)
     assert consensus.round_well_under_way(one(0, "sync"), 2, H)  # someone already syncing: too late
     assert not consensus.round_well_under_way({"a": rec(1, "x", "sync")}, 2, H)  # other rounds do not matter
@@ -60,13 +62,13 @@ def test_round_well_under_way():
 def test_check_donated_state_refuses_everything_but_what_we_asked_for():
     import torch
 
-    from p2p_diloco.outer import digest
+    from p2p_diloco.outer.optimizer import digest
 
     theta = [torch.zeros(3), torch.zeros(2, 2)]
     good = [torch.ones(3), torch.ones(2, 2)]
     state = [*good, torch.zeros(3), torch.zeros(2, 2)]
     meta = {"fp": "fp1", "round": 4, "digest": digest(good)}
-    check = consensus.check_donated_state
+    check = check_donated_state
     assert check(meta, state, theta, "fp1", 4, meta["digest"]) is None
     assert check(meta, state, theta, "fp1", 3, None) is None  # a donor already further along is fine...
     assert "round" in check(meta, state, theta, "fp1", 3, None, exact_round=True)  # ...except for a repair
@@ -107,7 +109,7 @@ def test_donated_state_with_non_finite_values_is_refused():
     theta = [torch.zeros(3)]
     bad = [torch.tensor([0.0, float("nan"), 0.0]), torch.zeros(3)]
     meta = {"fp": "f", "round": 2, "digest": digest_of(bad[:1])}
-    assert consensus.check_donated_state(meta, bad, theta, "f", 2, meta["digest"]) == "it holds non-finite values"
+    assert check_donated_state(meta, bad, theta, "f", 2, meta["digest"]) == "it holds non-finite values"
     good = [torch.ones(3), torch.zeros(3)]
     meta = {"fp": "f", "round": 2, "digest": digest_of(good[:1])}
-    assert consensus.check_donated_state(meta, good, theta, "f", 2, meta["digest"]) is None
+    assert check_donated_state(meta, good, theta, "f", 2, meta["digest"]) is None

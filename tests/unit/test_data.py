@@ -9,7 +9,7 @@ import torch
 from datasets import IterableDataset
 
 from p2p_diloco.config import ConfigError, DataConfig, TokenizerConfig
-from p2p_diloco.data import (
+from p2p_diloco.training.data import (
     PackedStream,
     eval_batches,
     eval_documents,
@@ -17,7 +17,7 @@ from p2p_diloco.data import (
     resolve_data_files,
     train_documents,
 )
-from p2p_diloco.tokenizer import build_tokenizer
+from p2p_diloco.training.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.unit
 

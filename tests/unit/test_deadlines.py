@@ -1,10 +1,10 @@
-"""Adaptive deadlines (p2p_diloco/deadlines.py): pure arithmetic, no network."""
+"""Adaptive deadlines (p2p_diloco/protocol/deadlines.py): pure arithmetic, no network."""
 
 import pytest
 
 from p2p_diloco.config import Config, ConfigError
-from p2p_diloco.config_checks import validate
-from p2p_diloco.deadlines import Deadlines, RollingDeadline, StragglerWait
+from p2p_diloco.config.checks import validate
+from p2p_diloco.protocol.deadlines import Deadlines, RollingDeadline, StragglerWait
 
 
 def test_rolling_deadline_uses_before_until_enough_samples_then_median_and_mad():
@@ -73,20 +73,20 @@ def test_straggler_wait_waits_then_gives_up_once_and_records_arrivals():
         d.straggler.observe(1.0)
     assert d.get("straggler") == cfg.swarm.straggler_floor
     wait = StragglerWait(d, now=100.0)
-    assert wait.phases(["slow"], now=110.0) == (("train", "sync"), False)
-    assert wait.phases(["slow"], now=131.0) == (("sync",), True)
-    assert wait.phases(["slow"], now=132.0) == (("sync",), False)  # given up once
+    assert wait.observe(["slow"], now=110.0) is False
+    assert wait.observe(["slow"], now=131.0) is True
+    assert wait.observe(["slow"], now=132.0) is False  # given up once
     wait = StragglerWait(d, now=200.0)
-    wait.phases(["slow"], now=202.0)
-    wait.phases([], now=205.0)
-    wait.phases([], now=209.0)
+    wait.observe(["slow"], now=202.0)
+    wait.observe([], now=205.0)
+    wait.observe([], now=209.0)
     assert list(d.straggler.samples)[-1] == 5.0  # the arrival offset, recorded once
     wait = StragglerWait(d, now=300.0)
-    wait.phases(["fast"], now=300.5)  # the records lag: the group assembled before they showed everyone in sync
+    wait.observe(["fast"], now=300.5)  # the records lag: the group assembled before they showed everyone in sync
     wait.averaged(now=301.5)
     assert list(d.straggler.samples)[-1] == 1.5
     wait = StragglerWait(d, now=400.0)
-    wait.phases(["stuck"], now=431.0)  # left out: its arrival is not an observation
+    wait.observe(["stuck"], now=431.0)  # left out: its arrival is not an observation
     wait.averaged(now=432.0)
     assert list(d.straggler.samples)[-1] == 1.5
 

@@ -9,9 +9,9 @@ from p2p_diloco.checkpoint import CheckpointStore, PeerState, capture_rng
 from p2p_diloco.config import Config, ConfigError, apply_overrides
 from p2p_diloco.errors import UsageError
 from p2p_diloco.export import checkpoint_path, export_trained, load_trained
-from p2p_diloco.model import build_model
-from p2p_diloco.outer import digest
-from p2p_diloco.tokenizer import build_tokenizer, vocab_size
+from p2p_diloco.training.model import build_model
+from p2p_diloco.outer.optimizer import digest
+from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 
 pytestmark = pytest.mark.unit
 

@@ -1,11 +1,11 @@
-"""Metric sinks (p2p_diloco/metric_sinks.py): TensorBoard and W&B offline write what the peer logs; no network."""
+"""Metric sinks (p2p_diloco/metrics/sinks.py): TensorBoard and W&B offline write what the peer logs; no network."""
 
 import builtins
 
 import pytest
 
 from p2p_diloco.errors import UsageError
-from p2p_diloco.metric_sinks import FanOut, TensorBoardSink, WandbSink, check_sinks
+from p2p_diloco.metrics.sinks import FanOut, TensorBoardSink, WandbSink, check_sinks
 from p2p_diloco.metrics import EventLog
 
 

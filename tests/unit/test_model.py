@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from p2p_diloco.config import ConfigError, ModelConfig
-from p2p_diloco.model import build_model, count_parameters
+from p2p_diloco.training.model import build_model, count_parameters
 
 pytestmark = pytest.mark.unit
 
@@ -15,7 +15,7 @@ DIGEST = """
 import hashlib, sys, torch
 torch.set_num_threads(int(sys.argv[2]))
 from p2p_diloco.config import ModelConfig
-from p2p_diloco.model import build_model
+from p2p_diloco.training.model import build_model
 h = hashlib.sha256()
 for name, p in build_model(ModelConfig(), 257, int(sys.argv[1])).state_dict().items():
     h.update(name.encode()); h.update(p.numpy().tobytes())

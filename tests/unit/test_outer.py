@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from p2p_diloco import outer
+from p2p_diloco.outer import optimizer as outer
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import pytest
 
 _PROBE = textwrap.dedent("""
     import ctypes, sys
-    from p2p_diloco.processes import keep_freed_memory
+    from p2p_diloco.runtime.processes import keep_freed_memory
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -38,7 +38,7 @@ def test_reap_children_can_be_limited_to_the_processes_a_part_started():
     import subprocess
     import sys
 
-    from p2p_diloco.processes import descendants, reap_children
+    from p2p_diloco.runtime.processes import descendants, reap_children
 
     ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # e.g. a W&B service

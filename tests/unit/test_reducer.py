@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from p2p_diloco.aggregation import Policy
+from p2p_diloco.outer.aggregation import Policy
 from p2p_diloco.swarm.reducer import ValidatingPartReducer
 
 pytestmark = pytest.mark.unit

@@ -1,11 +1,11 @@
-"""Logical shards of the outer state (p2p_diloco/shards.py), in one process (world 1). The multi-rank collectives
+"""Logical shards of the outer state (p2p_diloco/outer/shards.py), in one process (world 1). The multi-rank collectives
 are exercised by tests/swarm/test_cluster.py (torchrun, gloo)."""
 
 import pytest
 import torch
 
-from p2p_diloco import outer
-from p2p_diloco.shards import Ranks, ShardedOuter, ShardLayout, global_digest, shard_digest
+from p2p_diloco.outer import optimizer as outer
+from p2p_diloco.outer.shards import Ranks, ShardedOuter, ShardLayout, global_digest, shard_digest
 
 
 def _params(seed: int = 0) -> list[torch.Tensor]:

@@ -1,10 +1,15 @@
-"""`p2p-diloco status`'s view of the records (p2p_diloco/swarm_view.py): pure, no network."""
+"""`p2p-diloco status`'s view of the records (p2p_diloco/cli/status_view.py): pure, no network."""
 
-from p2p_diloco.swarm_view import format_view, swarm_view
+import pytest
+
+from p2p_diloco.cli.status_view import format_view, swarm_view
+from p2p_diloco.protocol.records import PeerRecord
+
+pytestmark = pytest.mark.unit
 
 
 def _rec(round_, digest, phase="train", **kw):
-    return {"round": round_, "digest": digest, "phase": phase, "t": 100.0, **kw}
+    return PeerRecord.from_wire({"round": round_, "digest": digest, "phase": phase, "t": 100.0, **kw})
 
 
 def test_digest_agreement_is_judged_within_each_round_by_majority():

@@ -1,0 +1,222 @@
+"""``p2p-diloco swarm``: N ``join`` processes on 127.0.0.1, progress on the terminal, a table at the end.
+
+Each peer runs in its own process group (its python, DHT, averager and p2pd processes), so the group can be
+killed as a unit: nothing is left behind after a normal end, a peer crash, or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import write_json_atomic
+from ..metrics import read_events
+from ..runtime.processes import kill_group, wait_group_gone
+
+# A peer prints it with its run id; a bootstrap node (no run of its own) without.
+JOIN_LINE = re.compile(r"^p2p-diloco join --initial-peers (?P<maddrs>.+?)(?: --run-id (?P<run_id>\S+))?\s*$")
+STARTUP_TIMEOUT = 120.0
+STOP_GRACE = 40.0
+
+
+def parse_join_line(line: str) -> tuple[list[str], str | None] | None:
+    """``(maddrs, run_id)`` from the line a peer (or, with run_id None, a bootstrap node) prints on start, or None
+    if ``line`` is not one."""
+    m = JOIN_LINE.match(line.strip())
+    return (m.group("maddrs").split(), m.group("run_id")) if m else None
+
+
+@dataclass
+class PeerProc:
+    index: int
+    proc: subprocess.Popen
+    summary_path: Path
+    maddrs: list[str] = field(default_factory=list)
+    peer_id: str | None = None
+    started: threading.Event = field(default_factory=threading.Event)
+
+    def read_stdout(self) -> None:
+        for line in self.proc.stdout:
+            parsed = parse_join_line(line)
+            if parsed and not self.started.is_set():
+                self.maddrs = parsed[0]
+                self.peer_id = parsed[0][0].rsplit("/p2p/", 1)[-1]
+                self.started.set()
+        self.started.set()  # EOF: the process ended (maybe before printing its join line)
+
+
+def _join_command(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> list[str]:
+    threads = max(1, (os.cpu_count() or 1) // args.peers)
+    cmd = [sys.executable, "-m", "p2p_diloco", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+           "--log-dir", str(log_dir), "--summary-json", str(log_dir / f"peer{index}.summary.json"),
+           "--set", f"train.threads={threads}", "--set", f"swarm.min_peers={args.peers}"]
+    if args.config:
+        cmd += ["--config", args.config]
+    for item in args.sets:
+        cmd += ["--set", item]
+    for flag in ("run_id", "max_rounds", "inner_steps"):
+        if getattr(args, flag) is not None:
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    delays = getattr(args, "debug_step_delay", None)
+    if delays:
+        cmd += ["--debug-step-delay", str(delays[index] if len(delays) > 1 else delays[0])]
+    if getattr(args, "data_seed", None) is not None:  # reproducible runs, still a different order per peer
+        cmd += ["--data-seed", str(args.data_seed + index)]
+    if initial:
+        cmd += ["--initial-peers", *initial]
+    return cmd
+
+
+def _spawn(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> PeerProc:
+    cmd = _join_command(args, index, log_dir, initial)
+    stderr = open(log_dir / f"peer{index}.stderr.log", "w")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
+                            env=env, stdin=subprocess.DEVNULL)
+    stderr.close()
+    peer = PeerProc(index, proc, log_dir / f"peer{index}.summary.json")
+    threading.Thread(target=peer.read_stdout, daemon=True).start()
+    return peer
+
+
+def _status_line(peer: PeerProc, log_dir: Path) -> str:
+    events = read_events(log_dir / peer.peer_id / "events.jsonl") if peer.peer_id else []
+    last = events[-1] if events else {}
+    evals = [e["loss"] for e in events if e.get("event") == "eval"]
+    loss = f"eval {evals[0]:.3f}->{evals[-1]:.3f}" if evals else "eval -"
+    state = "running" if peer.proc.poll() is None else f"exited {peer.proc.returncode}"
+    return (f"  peer{peer.index} {(peer.peer_id or '?')[-8:]:>8} round {last.get('round', 0):>3} "
+            f"{last.get('event', 'starting'):<16} {loss:<18} {state}")
+
+
+def stop_peers(peers: list[PeerProc], grace: float = STOP_GRACE) -> None:
+    """Ask every peer to stop (SIGTERM to its main process), then kill each whole process group."""
+    for p in peers:
+        if p.proc.poll() is None:
+            try:
+                p.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in peers:
+        try:
+            p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in peers:
+        wait_group_gone(p.proc.pid, timeout=10)  # torch_shm_manager cleans /dev/shm after the main process exits
+        kill_group(p.proc.pid)  # leftovers of the group: DHT, averager, p2pd
+        try:
+            p.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        wait_group_gone(p.proc.pid, timeout=5)
+
+
+def _start_all(args: argparse.Namespace, log_dir: Path) -> list[PeerProc]:
+    first = _spawn(args, 0, log_dir, [])
+    peers = [first]
+    if not first.started.wait(STARTUP_TIMEOUT) or not first.maddrs:
+        raise RuntimeError(f"peer0 did not start (see {log_dir / 'peer0.stderr.log'})")
+    peers += [_spawn(args, i, log_dir, first.maddrs) for i in range(1, args.peers)]
+    return peers
+
+
+def _summaries(peers: list[PeerProc]) -> list[dict]:
+    out = []
+    for p in peers:
+        try:
+            s = json.loads(p.summary_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            s = {"peer_id": p.peer_id, "rounds_completed": None, "global_digest": None}
+        s["exit_code"] = p.proc.returncode
+        out.append(s)
+    return out
+
+
+def format_table(summaries: list[dict]) -> str:
+    def f(x, spec):
+        return format(x, spec) if isinstance(x, (int, float)) else "-"
+
+    rows = [f"{'peer':<10} {'rounds':>6} {'eval loss first->last':>22} {'tokens':>10} {'MB sent':>8} "
+            f"{'MB recv':>8} {'digest':<14} exit"]
+    for s in summaries:
+        loss = f"{f(s.get('eval_loss_first'), '.4f')} -> {f(s.get('eval_loss_last'), '.4f')}"
+        rows.append(
+            f"{(s.get('peer_id') or '?')[-10:]:<10} {f(s.get('rounds_completed'), 'd'):>6} {loss:>22} "
+            f"{f(s.get('tokens_trained'), ',d'):>10} {f((s.get('bytes_sent') or 0) / 1e6, '.2f'):>8} "
+            f"{f((s.get('bytes_received') or 0) / 1e6, '.2f'):>8} {(s.get('global_digest') or '-')[:12]:<14} "
+            f"{s.get('exit_code')}"
+        )
+    return "\n".join(rows)
+
+
+def _interrupt_on(*signals: int) -> None:
+    """Turn these signals into KeyboardInterrupt, whatever we inherited: a launcher started in the background by
+    a non-interactive shell inherits SIGINT *ignored* (seen: Ctrl-C's SIGINT then did nothing), and SIGTERM's
+    default action would kill us without stopping the peers, which live in their own sessions."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in signals:
+        signal.signal(sig, handler)
+
+
+def cmd_swarm(args: argparse.Namespace) -> int:
+    from . import load_join_config
+
+    from ..errors import UsageError
+
+    if args.peers < 1:
+        raise UsageError("--peers must be >= 1")
+    delays = args.debug_step_delay or []
+    if len(delays) not in (0, 1, args.peers) or any(d < 0 for d in delays):
+        raise UsageError(f"--debug-step-delay takes one value >= 0, or one per peer ({args.peers}), got {delays}")
+    load_join_config(argparse.Namespace(**{**vars(args), "initial_peers": None}))  # fail fast on bad config
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="p2p-diloco-swarm-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"swarm of {args.peers} peers; logs in {log_dir}", flush=True)
+    peers: list[PeerProc] = []
+    interrupted = False
+    _interrupt_on(signal.SIGINT, signal.SIGTERM)
+    try:
+        peers = _start_all(args, log_dir)
+        print("  join this swarm with: " + " ".join(shlex.quote(a) for a in
+              ["p2p-diloco", "join", "--initial-peers", *peers[0].maddrs]), flush=True)
+        shown = ""
+        while any(p.proc.poll() is None for p in peers):
+            time.sleep(1.0)
+            status = "\n".join(_status_line(p, log_dir) for p in peers)
+            if status != shown:
+                print(status, flush=True)
+                shown = status
+    except KeyboardInterrupt:
+        interrupted = True
+        print("interrupted: stopping every peer", file=sys.stderr, flush=True)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
+        stop_peers(peers)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    summaries = _summaries(peers)
+    digests = {s.get("global_digest") for s in summaries}
+    all_equal = len(digests) == 1 and None not in digests
+    print(format_table(summaries))
+    print(f"all digests agree: {'yes' if all_equal else 'NO'}", flush=True)
+    if args.summary_json:
+        write_json_atomic(args.summary_json, {"peers": summaries, "all_digests_equal": all_equal})
+    if interrupted:
+        return 130
+    failed = any(s["exit_code"] != 0 for s in summaries) or len(summaries) < args.peers
+    return 1 if failed or not all_equal else 0

@@ -1,0 +1,201 @@
+"""What every rank of a sharded peer does (``outer.sharding = "sharded"``): the same method on every rank, rank 0
+first telling the others which (the leader/follower protocol of :mod:`p2p_diloco.local.cluster`).
+
+Each rank keeps its logical shards of theta and the momentum (:class:`~p2p_diloco.outer.shards.ShardedOuter`) and runs
+one hivemind averager per shard (rank 0 in its :class:`~p2p_diloco.swarm.Swarm`, the others in a DHT node that
+joins rank 0's). The round protocol itself (who is live, the group size, stragglers, which donor) stays on rank 0
+(:class:`~p2p_diloco.outer.sharded_state.ShardedState`); it hands each decision to the ranks as a command:
+
+* ``SPSEUDO``: every rank computes the pseudo-gradient of its shards (one collective per parameter);
+* ``SSYNC``: every rank all-reduces its shards with the same shards of the round's other peers, then the ranks
+  agree (one all-reduce of success flags) to use the result only if *every* shard of *every* rank succeeded.
+  Otherwise none is used and rank 0 retries, as after any failed all-reduce: a peer never applies half a round;
+* ``SSTEP``: the outer step on every shard, and the shard digests shared (global digest = hash of the L digests);
+* ``SLOAD``: theta into the model (one collective per parameter);
+* ``SDOWNLOAD``: every rank downloads its shards from the rank of the donor peer that keeps them (the donor
+  publishes that map), checks each shard against its digest, and all ranks check that the shard digests hash to
+  the majority's global digest before any shard is used (all or nothing again);
+* ``SSAVE`` / ``SRESTORE``: every rank writes / reads its shards' checkpoint files (``checkpoint.ShardFiles``);
+  rank 0 writes the round's checkpoint, which records every shard's digest, only after all ranks saved theirs.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from ..checkpoint import CheckpointError, ShardFiles
+from ..swarm.port import AllReduceRequest
+from .cluster import Cluster
+from .commands import SDOWNLOAD, SLOAD, SPSEUDO, SRESTORE, SSAVE, SSTEP, SSYNC
+from ..errors import RoundFailed
+from ..outer.shards import Ranks, ShardedOuter, ShardLayout, global_digest
+
+log = logging.getLogger(__name__)
+
+
+class ShardedRank:
+    """One rank's part of a sharded peer. ``cluster`` is None for a 1-process peer (it then keeps every shard).
+
+    Args:
+        cfg: the run config.
+        cluster: the local ranks, or None.
+        params: the model's parameters (before wrapping: every rank holds the same initial weights).
+    """
+
+    def __init__(self, cfg, cluster: Cluster | None, params: Sequence[torch.Tensor]):
+        self.cfg, self.cluster = cfg, cluster
+        ranks = Ranks(cluster.rank, cluster.world, cluster.device) if cluster else Ranks()
+        self.ranks = ranks
+        self.layout = ShardLayout.of(params, cfg.outer.shards)
+        self.outer = ShardedOuter(self.layout, ranks, params, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
+        self.buffer = [torch.empty_like(t) for t in self.outer.theta]
+        self.swarm = None  # set once started (rank 0: the peer's Swarm; others: start_follower_swarm)
+
+    def provider(self, j: int) -> tuple[dict, list[torch.Tensor]]:
+        return self.outer.donation(j, self.cfg.fingerprint())
+
+    def _tell(self, op: int, args: list | None = None) -> list | None:
+        """Rank 0: send command ``op`` and its arguments to the other ranks. A follower (already told ``op``) passes
+        as many placeholders as there are arguments, and gets rank 0's."""
+        if self.cluster is None:
+            return args
+        if self.cluster.rank == 0:
+            self.cluster.send(op)
+        return self.cluster.broadcast_objects(args) if args is not None else None
+
+    # ------------------------------------------------------------------------------------------ commands
+    def pseudo_gradient(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self._tell(SPSEUDO)
+        self.outer.pseudo_gradient(params, self.buffer)
+        return self.buffer
+
+    def sync(self, args: dict[str, Any] | None = None, **rank0_only: Any):
+        """All-reduce our shards (``args``: round, group size, weight, deadlines; rank 0 passes them, followers
+        receive them). Returns rank 0's :class:`AllReduceResult`; raises RoundFailed unless every rank succeeded.
+        ``rank0_only``: gather, should_stop, on_running (rank 0's round protocol)."""
+        (args,) = self._tell(SSYNC, [args])
+        result, problem = None, None
+        try:
+            result = self.swarm.all_reduce(AllReduceRequest(
+                round=args["round"], tensors=self.buffer, weight=args["weight"], group_size=args["group_size"],
+                gather=rank0_only.get("gather", {"round": args["round"]}),
+                should_stop=rank0_only.get("should_stop", lambda: False),
+                on_running=rank0_only.get("on_running", lambda: None), matchmaking_time=args["matchmaking_time"],
+                allreduce_timeout=args["allreduce_timeout"], matchmaking_timeout=args["matchmaking_timeout"],
+                commit=False))
+        except RoundFailed as e:
+            problem = str(e)
+        if not self.ranks.all_ok(problem is None):  # all or nothing across the shards of this peer
+            raise RoundFailed(problem or "a shard all-reduce failed on another local rank")
+        self.swarm.read_result(self.buffer)
+        # the peer's bytes and exclusions, all ranks
+        moved = self.ranks.all_gather((result.bytes_sent, result.bytes_received, result.excluded))
+        result.bytes_sent, result.bytes_received = sum(m[0] for m in moved), sum(m[1] for m in moved)
+        result.excluded = {pid: reason for m in moved for pid, reason in m[2].items()}
+        return result
+
+    def step(self, round_: int) -> str:
+        self._tell(SSTEP, [round_])
+        self.outer.step(self.buffer, round_)
+        return self.outer.refresh_digests()
+
+    def load(self, params: Sequence[torch.Tensor]) -> None:
+        self._tell(SLOAD)
+        self.outer.load_into(params)
+
+    def download(self, plan: dict[str, Any] | None = None) -> str | None:
+        """Download our shards from the donor in ``plan`` (shard_peers, round, digest, exact_round). Returns None
+        once every rank has loaded its shards, else why not (nothing is loaded then, on any rank)."""
+        (plan,) = self._tell(SDOWNLOAD, [plan])
+        fp, got, problem = self.cfg.fingerprint(), {}, None
+        metas = {}
+        for j in self.outer.owned:
+            try:
+                meta, tensors = self.swarm.download_state(plan["shard_peers"][j], shard=j)
+            except RoundFailed as e:
+                problem = str(e)
+                break
+            problem = self.outer.check_download(j, meta, tensors, fp, plan["round"], plan["digest"],
+                                                plan["exact_round"])
+            if problem:
+                break
+            got[j], metas[j] = [t.to(torch.float32) for t in tensors], meta
+        seen = self.ranks.all_gather(None if problem else {j: (m["round"], m["digest"], m["shard_digest"])
+                                                             for j, m in metas.items()})
+        if any(part is None for part in seen):
+            return problem or "a shard download failed on another local rank"
+        shards = {j: item for part in seen for j, item in part.items()}
+        rounds, digests = {r for r, _, _ in shards.values()}, {d for _, d, _ in shards.values()}
+        shard_digests = [shards[j][2] for j in range(self.layout.num_shards)]
+        if len(rounds) != 1 or len(digests) != 1 or global_digest(shard_digests) != next(iter(digests)):
+            return "the shards do not add up to one global state (the donor moved on mid-download?)"
+        self.outer.load(got, rounds.pop(), shard_digests)
+        return None
+
+    def save(self, args: list | None = None) -> str | None:
+        """Write our shards' files for a checkpoint (``args``: directory, round, rounds to keep). Returns None once
+        every rank has saved, else why not."""
+        directory, round_, keep = self._tell(SSAVE, args or [None] * 3)
+        files, problem = ShardFiles(directory), None
+        try:
+            with self.outer.lock:
+                for k, j in enumerate(self.outer.owned):
+                    files.save(j, round_, self.cfg.fingerprint(), self.outer.theta[k], self.outer.momentum_buffers[k])
+            files.prune(self.outer.owned, set(keep) | {round_})
+        except OSError as e:
+            problem = f"rank {self.ranks.rank}: {e}"
+        return None if self.ranks.all_ok(problem is None) else problem or "another local rank could not save"
+
+    def restore(self, args: list | None = None) -> str | None:
+        """Load our shards of a checkpoint (``args``: directory, round, all shard digests). None once every rank
+        has loaded them (nothing is loaded unless all can be)."""
+        directory, round_, digests = self._tell(SRESTORE, args or [None] * 3)
+        files, got, problem = ShardFiles(directory), {}, None
+        try:
+            for j in self.outer.owned:
+                got[j] = list(files.load(j, round_, self.cfg.fingerprint(), digests[j]))
+        except CheckpointError as e:
+            problem = str(e)
+        if not self.ranks.all_ok(problem is None):
+            return problem or "another local rank could not load its shards"
+        self.outer.load(got, round_, digests)
+        return None
+
+
+def start_follower_swarm(rank: ShardedRank, cluster: Cluster, leader_maddrs: list[str]) -> None:
+    """A follower rank's DHT node (joined to rank 0's) and averagers for its shards."""
+    from ..swarm.swarm import Swarm
+
+    rank.swarm = Swarm(rank.cfg, rank.outer.theta, rank.provider, shards=rank.outer.owned, rank_of=leader_maddrs)
+    rank.swarm.start()
+    rank.ranks.all_gather(rank.swarm.peer_id)  # rank 0 publishes which peer id serves which shard
+    rank.outer.refresh_digests()
+
+
+def obey(op: int, rank: ShardedRank, params: Sequence[torch.Tensor]) -> bool:
+    """A follower's side of one sharded command; False if ``op`` is not one."""
+    if op == SPSEUDO:
+        rank.pseudo_gradient(params)
+    elif op == SSYNC:
+        try:
+            rank.sync()
+        except RoundFailed as e:
+            log.info("rank %d: shard all-reduce not used: %s", rank.ranks.rank, e)
+    elif op == SSTEP:
+        (round_,) = rank._tell(SSTEP, [None])
+        rank.outer.step(rank.buffer, round_)
+        rank.outer.refresh_digests()
+    elif op == SLOAD:
+        rank.outer.load_into(params)
+    elif op == SDOWNLOAD:
+        rank.download()
+    elif op == SSAVE:
+        rank.save()
+    elif op == SRESTORE:
+        rank.restore()
+    else:
+        return False
+    return True

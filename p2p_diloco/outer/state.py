@@ -1,0 +1,201 @@
+"""The global state a peer holds: theta, the outer momentum, the round and theta's digest, behind one interface.
+
+theta(r) is bit-identical on every synced peer; everything that reads or changes it goes through a
+:class:`GlobalState`, which owns it (and the lock that keeps a donation consistent while the round protocol
+changes it). Two implementations: :class:`WholeState` keeps it whole in this process (``outer.sharding =
+"rank0"``), :class:`~p2p_diloco.outer.sharded_state.ShardedState` cut into logical shards across the local ranks
+(``"sharded"``). The round protocol never knows which one it has.
+
+The commit contract: theta only changes by :meth:`GlobalState.apply` (an outer step with an average the whole
+group computed, or a confirmed solo step), :meth:`GlobalState.fetch` (a state that checked out against the
+majority's digest) or :meth:`GlobalState.restore` (a verified checkpoint); ``round`` and ``digest`` change with it,
+under the same lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import RoundFailed
+from ..protocol import rules
+from ..protocol.actions import Download
+from ..protocol.records import View
+from . import optimizer as opt
+
+Tensors = list[torch.Tensor]
+
+
+class GlobalState(ABC):
+    """theta, momentum, ``round`` (theta is theta(round)) and ``digest`` (of theta); see the module docstring.
+
+    ``replica`` arguments are the peer's :class:`~p2p_diloco.training.inner.Replica` (its local model).
+    """
+
+    round: int
+    digest: str
+    lock: threading.RLock  # held by every change of the state, and while a donation or a checkpoint reads it
+
+    def swarm_options(self) -> dict[str, Any]:
+        """Extra arguments of the swarm factory (the shards this process averages)."""
+        return {}
+
+    def attach(self, swarm: Any, replica: Any) -> None:
+        """Called once the swarm is up and the trainer built (a sharded peer's ranks join the swarm here)."""
+
+    @abstractmethod
+    def tensors_like(self) -> Tensors:
+        """Tensors shaped like what this process all-reduces (the swarm's averager buffers)."""
+
+    @abstractmethod
+    def donate(self, *shard: int) -> tuple[dict, Tensors]:
+        """``(metadata, tensors)`` for a peer that downloads our state (called from a background thread)."""
+
+    @abstractmethod
+    def new_buffer(self) -> Tensors:
+        """A buffer for a pseudo-gradient, which the all-reduce then replaces in place by the swarm's average."""
+
+    @abstractmethod
+    def snapshot(self) -> Tensors:
+        """A copy of theta (in the layout of :meth:`new_buffer`)."""
+
+    @abstractmethod
+    def pseudo_gradient(self, replica: Any, out: Tensors, start: Tensors | None = None) -> None:
+        """``out = start - local weights``; ``start`` is theta unless given (``outer.overlap``)."""
+
+    @abstractmethod
+    def average(self, swarm: Any, request: Any) -> Any:
+        """All-reduce ``request.tensors`` (a buffer) in place; an :class:`AllReduceResult`, or RoundFailed."""
+
+    @abstractmethod
+    def apply(self, average: Tensors) -> None:
+        """The outer step with the swarm's ``average``: theta(round) -> theta(round + 1)."""
+
+    @abstractmethod
+    def lookahead(self, pseudo_gradient: Tensors, out: Tensors) -> None:
+        """``out`` = the theta :meth:`apply` would give if the average were ``pseudo_gradient`` (state unchanged)."""
+
+    @abstractmethod
+    def load_into(self, replica: Any, source: Tensors | None = None) -> None:
+        """Copy theta (or ``source``, in the layout of :meth:`new_buffer`) into the local model."""
+
+    @abstractmethod
+    def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View],
+              fingerprint: str) -> str | None:
+        """Download the state ``plan`` asks for from ``donor`` and take it if it checks out; None once taken,
+        else why not (nothing is changed then)."""
+
+    @abstractmethod
+    def save(self, directory: str, keep: Sequence[int]) -> tuple[Tensors, Tensors, dict]:
+        """``(theta, momentum, extra)`` for the round's checkpoint (a sharded state writes its own files first and
+        returns none); OSError if it cannot be saved. ``keep``: the rounds whose checkpoints stay."""
+
+    @abstractmethod
+    def restore(self, state: Any, directory: str) -> None:
+        """Take the outer state of a verified checkpoint (:class:`~p2p_diloco.checkpoint.PeerState`)."""
+
+
+class WholeState(GlobalState):
+    """theta and the momentum whole, in this process (``outer.sharding = "rank0"``).
+
+    Args:
+        params: the model's initial parameters: theta(0), the same bits on every peer.
+        lr, momentum, nesterov: the outer optimizer (:class:`~p2p_diloco.outer.optimizer.OuterOptimizer`).
+        fingerprint: the run config's fingerprint, sent with every donation.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool, fingerprint: str):
+        self.optimizer = opt.OuterOptimizer(opt.snapshot(params), lr, momentum, nesterov)
+        self.theta = self.optimizer.theta
+        self.fingerprint = fingerprint
+        self.lock = threading.RLock()
+        self.round, self.digest = 0, opt.digest(self.theta)
+        self.owner = ""  # our peer id, sent with donations
+
+    def attach(self, swarm: Any, replica: Any) -> None:
+        self.owner = swarm.peer_id or ""
+
+    def tensors_like(self) -> Tensors:
+        return self.theta
+
+    def donate(self, *shard: int) -> tuple[dict, Tensors]:
+        with self.lock:
+            meta = {"round": self.round, "digest": self.digest, "fp": self.fingerprint, "peer_id": self.owner}
+            return meta, [t.clone() for t in self.optimizer.state_tensors()]
+
+    def new_buffer(self) -> Tensors:
+        return [torch.empty_like(t) for t in self.theta]
+
+    def snapshot(self) -> Tensors:
+        return opt.snapshot(self.theta)
+
+    def pseudo_gradient(self, replica: Any, out: Tensors, start: Tensors | None = None) -> None:
+        replica.pseudo_gradient(self.theta if start is None else start, out)
+
+    def average(self, swarm: Any, request: Any) -> Any:
+        return swarm.all_reduce(request)
+
+    def apply(self, average: Tensors) -> None:
+        with self.lock:
+            self.optimizer.step(average)
+            self.round, self.digest = self.round + 1, opt.digest(self.theta)
+
+    def lookahead(self, pseudo_gradient: Tensors, out: Tensors) -> None:
+        self.optimizer.lookahead(pseudo_gradient, out)
+
+    def load_into(self, replica: Any, source: Tensors | None = None) -> None:
+        replica.load(self.theta if source is None else source)
+
+    def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View],
+              fingerprint: str) -> str | None:
+        try:
+            meta, tensors = swarm.download_state(donor)
+        except RoundFailed as e:
+            return str(e)
+        got = meta.get("round") if isinstance(meta, dict) else None
+        want, expected, vouch = rules.donation_target(plan.target, plan.digest, got, donor, read_view,
+                                                      plan.exact_round)
+        problem = check_donated_state(meta, tensors, self.theta, fingerprint, want, expected, plan.exact_round)
+        if problem or vouch:
+            return problem or vouch
+        with self.lock:
+            self.optimizer.load_state_tensors(tensors)
+            self.round, self.digest = int(meta["round"]), meta["digest"]
+        return None
+
+    def save(self, directory: str, keep: Sequence[int]) -> tuple[Tensors, Tensors, dict]:
+        return self.theta, self.optimizer.momentum_buffers, {}
+
+    def restore(self, state: Any, directory: str) -> None:
+        with self.lock:
+            self.optimizer.load_state_tensors([*state.theta, *state.momentum])
+            self.round, self.digest = state.round, state.global_digest
+
+
+def check_donated_state(meta: Any, tensors: Sequence[torch.Tensor], theta: Sequence[torch.Tensor],
+                        fingerprint: str, target: int, digest: str | None, exact_round: bool = False) -> str | None:
+    """Why a downloaded ``(meta, theta + momentum)`` must be refused, or None if it is what we asked for.
+
+    A donor could be buggy, of another config, already a round further, or (for repairs) not in the majority;
+    the digest is recomputed from the bytes received, so a transfer error cannot slip through either.
+    """
+    n = len(theta)
+    if not isinstance(meta, dict) or not isinstance(meta.get("round"), int) or not isinstance(meta.get("digest"), str):
+        return "malformed metadata"
+    if meta.get("fp") != fingerprint or len(tensors) != 2 * n:
+        return "fingerprint or tensor count mismatch"
+    if any(a.shape != b.shape for a, b in zip(theta, tensors)):
+        return "tensor shapes differ from our model"
+    if opt.digest(tensors[:n]) != meta.get("digest"):
+        return "digest does not match its contents"
+    if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        return "it holds non-finite values"
+    got = meta.get("round", -1)
+    if got < target or (exact_round and got != target):
+        return f"it holds round {got}, we need {target}"
+    if got == target and digest is not None and meta["digest"] != digest:
+        return "it does not hold the majority's weights"
+    return None

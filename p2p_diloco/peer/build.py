@@ -1,0 +1,56 @@
+"""Building a real peer: the production wiring of :class:`~p2p_diloco.peer.peer.Peer`'s parts.
+
+Parse, build, run, close (``p2p-diloco join``: :mod:`p2p_diloco.cli.commands`). The in-memory wiring for tests is
+:mod:`p2p_diloco.testing.harness`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..config import Config
+from ..metrics import Metrics
+from ..outer.state import GlobalState, WholeState
+from ..runtime.clock import Clock, RealClock
+from ..swarm.port import SwarmFactory
+from ..training.model import count_parameters
+from ..training.part import Training
+from .checkpoints import load_resumed
+from .context import PeerContext
+from .peer import Peer
+
+log = logging.getLogger("p2p_diloco.peer")
+
+
+def build_state(cfg: Config, cluster, params) -> GlobalState:
+    """The global state in the layout ``outer.sharding`` asks for, starting from the model's initial weights."""
+    if cfg.outer.sharding == "sharded":
+        from ..outer.sharded_state import ShardedState  # imports torch.distributed helpers only when needed
+
+        return ShardedState(cfg, cluster, params)
+    o = cfg.outer
+    return WholeState(params, o.lr, o.momentum, o.nesterov, cfg.fingerprint())
+
+
+def build_peer(cfg: Config, metrics: Metrics, swarm_factory: SwarmFactory, stop: threading.Event | None = None,
+               on_started: Callable[[Any], None] | None = None, cluster=None, clock: Clock | None = None) -> Peer:
+    """A peer of ``cfg`` that reaches the swarm through ``swarm_factory`` (:class:`~p2p_diloco.swarm.swarm.Swarm`).
+
+    Raises:
+        CheckpointError: ``checkpoint.resume`` is set and the newest checkpoint is missing, corrupt or belongs
+            to another config (raised here, before anything joins the swarm).
+    """
+    resumed = load_resumed(cfg, cluster)
+    if cfg.train.threads > 0:
+        torch.set_num_threads(cfg.train.threads)
+    training = Training(cfg, cluster)
+    state = build_state(cfg, cluster, training.params)
+    swarm = swarm_factory(cfg, state.tensors_like(), state.donate, **state.swarm_options())
+    ctx = PeerContext(cfg, clock or RealClock(), stop or threading.Event(), metrics, swarm, state, random.Random())
+    log.info("model: %d parameters, fingerprint %s", count_parameters(training.model), cfg.fingerprint())
+    return Peer(ctx, training, resumed=resumed, cluster=cluster, on_started=on_started)

@@ -1,0 +1,138 @@
+"""Overlapped rounds (``outer.overlap = true``): the all-reduce of round r runs in the background while the peer
+already trains round r+1, and the outer step lands one round late.
+
+Blocking DiLoCo idles every peer for the whole all-reduce. Here a peer never waits for the network unless the
+all-reduce takes longer than a round of inner steps (Streaming DiLoCo, https://arxiv.org/abs/2501.18512, and the
+eager updates of Kale et al., https://arxiv.org/abs/2502.12996):
+
+1. a round ends: ``pseudo_gradient = start - local weights``, where ``start`` is where this round's inner steps
+   began (theta itself in blocking mode);
+2. the previous round's all-reduce is joined (usually long finished); its outer step was applied in the
+   background the moment it finished, so theta(r) is already here;
+3. the next round starts from ``lookahead(theta(r), our pseudo_gradient)``: the theta the outer step would give
+   if everyone's pseudo-gradient were ours, since the real average is not known yet;
+4. the all-reduce of our pseudo-gradient for round r starts in the background, and gives theta(r+1).
+
+A newcomer (or a peer that fell behind) that finds the peers of its round already averaging it cannot add to
+that round: it trains for the next one at once, in step with them, and takes theta(r+1) in the background as soon
+as it exists (:func:`~p2p_diloco.protocol.rules.decide_overlap_entry`). Without that it would always arrive one
+round late and never contribute.
+
+What stays exactly as in blocking mode: theta only ever changes by an outer step on an average computed by a
+whole group (or a confirmed solo step), so it stays bit-identical across peers; the failure rules of the sync are
+the same, run from the background task. What changes: a peer's local start point lags theta by one round, and
+when a sync ends in a download that leaves us more than one round behind, the round trained meanwhile is dropped,
+since its pseudo-gradient is for a round the swarm has left. A checkpoint is taken at the moment the outer step
+lands, with the model reset to theta: ``--resume`` continues from there, without the round that was in flight
+(not bit-exact, unlike blocking mode). The background task never touches the local ranks of a cluster peer (it
+only averages and steps theta), so the inner steps' collectives run undisturbed in the main thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from ..metrics.events import Event
+from ..protocol import rules
+from ..protocol.actions import TrainAhead
+from ..protocol.records import Phase
+from ..runtime.clock import Task
+from .context import PeerContext
+from .rounds import Rounds
+from .state_sync import StateSync
+
+log = logging.getLogger("p2p_diloco.peer")
+
+
+class OverlapLoop:
+    """The round loop of ``outer.overlap`` (module docstring)."""
+
+    def __init__(self, ctx: PeerContext, rounds: Rounds, state_sync: StateSync):
+        self.ctx, self.rounds, self.state_sync = ctx, rounds, state_sync
+
+    def run(self) -> None:
+        """Train and sync until ``max_rounds`` or a stop request, each sync hidden behind the next round."""
+        ctx, state, replica = self.ctx, self.ctx.state, self.rounds.training.replica
+        start = state.snapshot()  # theta(state.round), already in the model (the join's boundary)
+        base = state.round  # the theta round that ``start`` was computed from
+        pending: Task | None = None
+        pending_r = -1  # the round being synced in the background (state.round changes when it lands there)
+        try:
+            while not ctx.stop.is_set() and not self.rounds.finished():
+                if pending is None:
+                    pending, pending_r = self._enter()
+                if pending is not None and 0 < ctx.cfg.run.max_rounds <= pending_r + 1:
+                    self._land(pending)  # the last round's sync is in flight: nothing left to train
+                    pending = None
+                    continue
+                r = pending_r + 1 if pending is not None else state.round  # the round this training is meant for
+                ctx.emit(Event.ROUND_START, r + 1, digest=state.digest)
+                tokens, steps = self.rounds.inner.train(r)
+                if ctx.stop.is_set():
+                    break
+                buffer = state.new_buffer()
+                state.pseudo_gradient(replica, buffer, start=start)
+                if pending is not None:
+                    self._land(pending)
+                    pending = None
+                if not 0 <= state.round - base <= 1:  # a pseudo-gradient from theta(base) may go into round base+1
+                    log.info("round %d: dropping inner steps that started from theta(%d), now %d rounds stale",
+                             r + 1, base, state.round - base)
+                    start, base = state.snapshot(), state.round
+                    continue
+                r, base = state.round, state.round
+                state.lookahead(buffer, start)  # before the background task may step theta
+                # (bound now: the loop rebinds these names before the task runs)
+                pending = ctx.clock.spawn(functools.partial(self._background_round, r, buffer, tokens, steps), "sync")
+                pending_r = r
+                state.load_into(replica, start)
+        except BaseException:
+            ctx.stop.set()  # the background task must not go on averaging for a peer that is going down
+            raise
+        finally:
+            if pending is not None:  # a stop request reaches the background task within a poll period
+                self._land(pending, stopping=ctx.stop.is_set())
+
+    def _enter(self) -> tuple[Task | None, int]:
+        """Start training with no sync in flight (first round, after a join or a lost round)."""
+        ctx, r = self.ctx, self.ctx.state.round
+        if isinstance(rules.decide_overlap_entry(r, ctx.view()), TrainAhead):
+            ctx.swarm.publish(phase=Phase.JOIN)  # nobody waits for us in round r
+            return ctx.clock.spawn(functools.partial(self._background_catch_up, r), "catch-up"), r
+        ctx.swarm.publish(phase=Phase.TRAIN, round=r, digest=ctx.state.digest)
+        return None, -1
+
+    def _background_round(self, r: int, buffer: list, tokens: int, steps: int) -> bool:
+        """Background: average, step, and announce theta(r+1) at once, so that peers already in round r+1 (they
+        may finish their inner steps sooner) count us as a member of it. If the swarm went on without us and we
+        took its state instead, we announce that round: our next pseudo-gradient may still be in time for it."""
+        stepped = self.rounds.sync_and_step(r, buffer, tokens, steps)
+        if stepped or self.ctx.state.round > r:
+            self._announce()
+        return stepped
+
+    def _background_catch_up(self, r: int) -> bool:
+        """Background: wait until the swarm holds theta(r+1), then download it and announce that round. (If the
+        others are gone instead, whatever happens next starts from our theta(r).)"""
+        self.state_sync.wait_for_round_end(r, min(0.5, self.ctx.cfg.swarm.heartbeat_period))
+        if self.ctx.state.round > r:
+            self._announce()
+        return False
+
+    def _announce(self) -> None:
+        ctx = self.ctx
+        ctx.swarm.publish(phase=Phase.TRAIN, round=ctx.state.round, digest=ctx.state.digest)
+        ctx.swarm.set_donor_round(ctx.state.round)
+
+    def _land(self, pending: Task, stopping: bool = False) -> None:
+        """Wait for the sync in flight; then theta (stepped, downloaded or unchanged) goes into the model, is
+        announced and checkpointed (the round boundary)."""
+        if not pending.done():
+            self.ctx.status(f"round {self.ctx.state.round + 1}: waiting for the all-reduce running in the background")
+        pending.result()
+        if stopping:
+            self.ctx.state.load_into(self.rounds.training.replica)
+            self.rounds.inner.stepped = False  # the peer saves this point
+        else:
+            self.rounds.boundary()

@@ -1,0 +1,84 @@
+"""One round, start to end, and what happens at every round boundary.
+
+A round, seen from one peer holding the global weights theta(r) (bit-identical on every synced peer):
+
+1. start from theta(r) and run the inner AdamW steps on this peer's own data (:class:`~.inner_loop.InnerLoop`);
+2. ``pseudo_gradient = theta(r) - local weights`` (:meth:`GlobalState.pseudo_gradient`);
+3. average it, weighted by tokens trained, with *every* live peer of round r (:class:`~.syncer.Syncer`);
+4. apply the outer Nesterov step: theta(r+1) (:meth:`GlobalState.apply`);
+5. the boundary: theta(r+1) into the model, announced, checkpointed, evaluated.
+
+Round numbers are swarm-wide: ``run.max_rounds`` R means "stop once theta(R) exists", for late joiners too.
+"""
+
+from __future__ import annotations
+
+from ..metrics.events import Event
+from ..protocol.records import Phase
+from .checkpoints import Checkpointer
+from .context import PeerContext, PeerStats
+from .inner_loop import InnerLoop
+from .syncer import Syncer
+
+
+class Rounds:
+    """Runs rounds and round boundaries for one peer.
+
+    Args:
+        ctx: the peer's shared context.
+        training: the local model (:class:`~p2p_diloco.training.part.Training`).
+        inner: the inner steps.
+        syncer: the end-of-round sync.
+        checkpoints: round-boundary checkpoints.
+        stats: the peer's counters.
+    """
+
+    def __init__(self, ctx: PeerContext, training, inner: InnerLoop, syncer: Syncer, checkpoints: Checkpointer,
+                 stats: PeerStats):
+        self.ctx, self.training, self.inner, self.syncer = ctx, training, inner, syncer
+        self.checkpoints, self.stats = checkpoints, stats
+
+    def finished(self) -> bool:
+        return 0 < self.ctx.cfg.run.max_rounds <= self.ctx.state.round
+
+    def run_round(self) -> None:
+        """One blocking round from theta(r): inner steps, sync, outer step, boundary."""
+        ctx = self.ctx
+        r = ctx.state.round
+        ctx.emit(Event.ROUND_START, r + 1, digest=ctx.state.digest)
+        tokens, steps = self.inner.train(r)
+        if ctx.stop.is_set():
+            return
+        buffer = ctx.state.new_buffer()
+        ctx.state.pseudo_gradient(self.training.replica, buffer)
+        self.sync_and_step(r, buffer, tokens, steps)
+        self.boundary()
+
+    def sync_and_step(self, r: int, buffer: list, tokens: int, steps: int) -> bool:
+        """Average ``buffer`` (our pseudo-gradient from theta(``r``)) with the round's peers and apply the outer
+        step: theta(r + 1). False if we fell behind, repaired or stopped instead."""
+        ctx = self.ctx
+        if not self.syncer.sync(r, buffer, tokens):
+            return False
+        ctx.state.apply(buffer)  # the buffer holds the swarm's average now
+        self.stats.rounds_participated += 1
+        ctx.emit(Event.OUTER_STEP, ctx.state.round, digest=ctx.state.digest, inner_steps=steps)
+        return True
+
+    def boundary(self, phase: Phase = Phase.TRAIN) -> None:
+        """theta(round) is set (outer step or download): load it, announce it, checkpoint, evaluate."""
+        ctx = self.ctx
+        ctx.state.load_into(self.training.replica)
+        self.inner.stepped = False
+        ctx.swarm.publish(phase=phase, round=ctx.state.round, digest=ctx.state.digest, inner_step=0, round_tokens=0)
+        ctx.swarm.set_donor_round(ctx.state.round)
+        self.checkpoints.save()
+        if ctx.state.round % ctx.cfg.eval.every_rounds == 0 or self.finished():
+            self.evaluate()
+
+    def evaluate(self) -> None:
+        loss = self.training.evaluate()
+        self.stats.eval_first = loss if self.stats.eval_first is None else self.stats.eval_first
+        self.stats.eval_last = loss
+        self.ctx.swarm.update(eval_loss=loss)
+        self.ctx.emit(Event.EVAL, self.ctx.state.round, loss=round(loss, 6))

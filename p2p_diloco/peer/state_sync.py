@@ -1,0 +1,110 @@
+"""Taking the swarm's state: joining, catching up after falling behind, repairing a theta the majority does not
+hold, and sitting a round out until the swarm holds the next theta.
+
+Every download goes to a peer holding the *majority* digest of the round it is taken from, is re-verified on
+arrival (:meth:`GlobalState.fetch <p2p_diloco.outer.state.GlobalState.fetch>`), and moves on to the next donor on
+any failure, so a dead, frozen, buggy or lying donor costs time, never correctness. The decisions are
+:mod:`p2p_diloco.protocol.rules`'; this part carries them out.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ..metrics.events import Event
+from ..protocol import rules
+from ..protocol.actions import CatchUp, Download, Repair, Start, Stay, Wait
+from ..protocol.records import Phase
+from .context import PeerContext
+
+log = logging.getLogger("p2p_diloco.peer")
+CATCH_UP_TRIES = 3  # reads of the records, each followed by a download from every donor of the majority
+
+
+class StateSync:
+    """Catch-up, repair and the join of a newcomer (module docstring)."""
+
+    def __init__(self, ctx: PeerContext):
+        self.ctx = ctx
+
+    def join(self, finished: Callable[[], bool]) -> Phase:
+        """Take the swarm's state, then wait for a round boundary to start at (:func:`rules.decide_join`).
+        Returns the phase to announce at that boundary."""
+        ctx, sc = self.ctx, self.ctx.cfg.swarm
+        self.catch_up()
+        deadline = ctx.clock.monotonic() + sc.round_timeout
+        phase = Phase.JOIN if ctx.cfg.outer.overlap else Phase.TRAIN
+        while not ctx.stop.is_set():
+            action = rules.decide_join(ctx.state.round, ctx.view(), inner_steps=ctx.cfg.train.inner_steps,
+                                       overlap=ctx.cfg.outer.overlap, waits_for_min_peers=sc.min_peers > 1,
+                                       finished=finished(), now=ctx.clock.monotonic(), deadline=deadline,
+                                       poll=min(rules.JOIN_POLL, sc.heartbeat_period))
+            if isinstance(action, Start):
+                return action.phase
+            if isinstance(action, CatchUp):
+                self.catch_up()
+            ctx.status(f"joined; waiting for the swarm to finish round {ctx.state.round + 1}")
+            ctx.sleep(min(rules.JOIN_POLL, sc.heartbeat_period))
+        return phase
+
+    def catch_up(self) -> None:
+        """If the swarm is past our round (or will not follow us ahead), take the majority's state of its round
+        (:func:`rules.decide_catch_up`). The caller announces the new round."""
+        ctx = self.ctx
+        for _ in range(CATCH_UP_TRIES):
+            if ctx.stop.is_set():
+                return
+            action = rules.decide_catch_up(ctx.state.round, ctx.view(), ctx.rng)
+            if isinstance(action, Stay):
+                return
+            if action.exact_round:
+                log.warning("%s: going back to round %d", action.reason, action.target)
+            ctx.status(f"downloading state of round {action.target} from the swarm")
+            if self.load(action):
+                return
+        log.warning("could not download the swarm's state; continuing from round %d", ctx.state.round)
+
+    def repair(self, r: int, action: Repair) -> None:
+        """Our theta(``r``) differs from the majority's: replace it, and sit out the rest of the round."""
+        ctx = self.ctx
+        log.error("round %d: our global weights (%s) differ from the majority (%s); repairing", r + 1,
+                  ctx.state.digest[:12], action.digest[:12])
+        ctx.emit(Event.DESYNC_DETECTED, r + 1, ours=ctx.state.digest, majority=action.digest)
+        ctx.swarm.publish(phase=Phase.REPAIR)  # nobody waits for us or downloads from us meanwhile
+        plan = Download(target=r, digest=action.digest, donors=action.donors, exact_round=True, reason=action.reason)
+        if not self.load(plan):
+            return  # retried at the next check; we stay out of the groups until then
+        ctx.swarm.publish(phase=Phase.REPAIR, digest=ctx.state.digest)
+        self.wait_for_round_end(r, ctx.cfg.swarm.heartbeat_period)
+
+    def wait_for_round_end(self, r: int, poll: float) -> None:
+        """Sit out the round after theta(``r``): once the swarm holds theta(r+1), download it
+        (:func:`rules.decide_round_end`)."""
+        ctx = self.ctx
+        deadline = ctx.clock.monotonic() + ctx.cfg.swarm.round_timeout
+        while not ctx.stop.is_set():
+            action = rules.decide_round_end(r, ctx.view(), ctx.clock.monotonic(), deadline, poll)
+            if isinstance(action, CatchUp):
+                self.catch_up()
+                return
+            if isinstance(action, Stay):
+                return
+            assert isinstance(action, Wait)
+            ctx.sleep(action.seconds)
+
+    def load(self, plan: Download) -> bool:
+        """Take the state ``plan`` names from the first of its donors whose state checks out (``state_loaded``)."""
+        ctx = self.ctx
+        for donor in plan.donors:
+            ctx.emit(Event.STATE_DOWNLOAD_START, plan.target, from_peer=donor)
+            problem = ctx.state.fetch(ctx.swarm, donor, plan, ctx.view, ctx.cfg.fingerprint())
+            if problem:
+                log.warning("state from %s not used: %s; trying the next donor", donor, problem)
+                ctx.emit(Event.STATE_DOWNLOAD_FAILED, plan.target, from_peer=donor, reason=problem)
+                continue
+            # The model gets theta at the next boundary: with outer.overlap this runs in the background while the
+            # model is training.
+            ctx.emit(Event.STATE_LOADED, ctx.state.round, from_peer=donor, digest=ctx.state.digest)
+            return True
+        return False

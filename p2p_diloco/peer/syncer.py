@@ -1,0 +1,132 @@
+"""The end of every round: average this peer's pseudo-gradient with its round's group, or do what the rules say
+instead (catch up, repair, wait, confirm that we are alone, step alone). :func:`rules.decide_sync` decides; this
+part reads the records, carries the decision out, and keeps the adaptive deadlines (:mod:`~p2p_diloco.protocol.
+deadlines`) up to date with what it observes."""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import RoundFailed
+from ..metrics.events import Event
+from ..protocol import consensus, rules
+from ..protocol.actions import AllReduce, CatchUp, ConfirmAlone, Repair, Solo, Wait
+from ..protocol.deadlines import Deadlines, StragglerWait
+from ..protocol.records import Phase
+from ..swarm.port import AllReduceRequest, AllReduceResult
+from .context import PeerContext, PeerStats
+from .state_sync import StateSync
+
+log = logging.getLogger("p2p_diloco.peer")
+
+
+class Syncer:
+    """One round's sync (module docstring). ``last_group_size`` and the deadlines carry over between rounds."""
+
+    def __init__(self, ctx: PeerContext, state_sync: StateSync, stats: PeerStats):
+        self.ctx, self.state_sync, self.stats = ctx, state_sync, stats
+        self.deadlines = Deadlines(ctx.cfg.swarm)
+        self.last_group_size = 1  # of our last all-reduce (1: we stepped alone)
+
+    def sync(self, r: int, buffer: list, tokens: int) -> bool:
+        """Average ``buffer`` (our pseudo-gradient from theta(``r``)) in place with the round's group. True if it
+        now holds the average to apply; False if we fell behind, repaired or were stopped instead (theta is then
+        whatever the state sync left; nothing half-applied)."""
+        ctx = self.ctx
+        sc = ctx.cfg.swarm
+        wait = StragglerWait(self.deadlines, ctx.clock.monotonic())  # then round-mates still training are left out
+        attempt, alone_since = 0, None
+        ctx.swarm.publish(phase=Phase.SYNC)  # our pseudo-gradient for this round is ready
+        while not ctx.stop.is_set():
+            view, now = ctx.view(), ctx.clock.monotonic()
+            self._watch_stragglers(wait, consensus.training(view, r), r, now)
+            me = rules.SyncState(r, ctx.state.digest, wait.deadline, self.last_group_size, alone_since,
+                                 sc.peer_ttl + sc.heartbeat_period, ctx.cfg.outer.overlap)
+            action = rules.decide_sync(me, view, now)
+            if isinstance(action, CatchUp):
+                self.state_sync.catch_up()
+                return False
+            if isinstance(action, Repair):
+                self.state_sync.repair(r, action)
+                return False
+            if isinstance(action, Wait):
+                ctx.sleep(action.seconds)
+                continue
+            if isinstance(action, ConfirmAlone):
+                if alone_since is None or action.restart:
+                    alone_since = now
+                    ctx.status(f"round {r + 1}: {action.reason}")
+                ctx.sleep(sc.heartbeat_period)
+                continue
+            if isinstance(action, Solo):
+                log.info("round %d: %s; applying our own pseudo-gradient", r + 1, action.reason)
+                ctx.emit(Event.ALLREDUCE_DONE, r + 1, group_size=1, bytes_sent=0, bytes_received=0, seconds=0.0,
+                         lone=True)
+                self.last_group_size = 1
+                return True
+            attempt += 1
+            if self._all_reduce(r, buffer, tokens, action, attempt):
+                wait.averaged(ctx.clock.monotonic())
+                return True
+        return False
+
+    def _watch_stragglers(self, wait: StragglerWait, late: list[str], r: int, now: float) -> None:
+        """Feed the straggler deadline what we see (arrival offsets), and say when round-mates are left out."""
+        if wait.observe(late, now):
+            waited = now - wait.started
+            log.warning("round %d: leaving out %d round-mate(s) still training after %.1f s", r + 1, len(late), waited)
+            self.ctx.emit(Event.STRAGGLERS_DROPPED, r + 1, peers=late, waited_s=round(waited, 2))
+
+    def _all_reduce(self, r: int, buffer: list, tokens: int, action: AllReduce, attempt: int) -> bool:
+        """One all-reduce attempt with the group ``action`` names. Matchmaking that expects a round-mate still
+        training ends at the straggler deadline (or after the matchmaking window, if that is later) by hivemind's
+        own step timeout. Cancelling the step instead is worse: a step cancelled just as a round-mate's retry took
+        it into a smaller group leaves that round-mate waiting for our parts (measured: 10 s and a lost round)."""
+        ctx = self.ctx
+        ctx.swarm.publish(phase=Phase.SYNC)
+        ctx.emit(Event.ALLREDUCE_START, r + 1, expected_group_size=action.group_size, attempt=attempt,
+                 **self.deadlines.snapshot())
+        ctx.status(f"round {r + 1} all-reduce: matchmaking with {action.group_size} peers (attempt {attempt})")
+        running = []
+
+        def on_running() -> None:
+            running.append(True)
+            ctx.emit(Event.ALLREDUCE_RUNNING, r + 1, attempt=attempt)
+
+        look = None if action.give_up_at is None else max(0.5, action.give_up_at - ctx.clock.monotonic())
+        request = AllReduceRequest(
+            round=r, tensors=buffer, weight=tokens, group_size=action.group_size,
+            gather={"round": r, "digest": ctx.state.digest, "tokens": tokens}, should_stop=ctx.stop.is_set,
+            on_running=on_running, matchmaking_time=self.deadlines.get("matchmaking"),
+            allreduce_timeout=self.deadlines.get("allreduce"), matchmaking_timeout=look)
+        try:
+            result = ctx.state.average(ctx.swarm, request)
+        except RoundFailed as e:
+            ctx.emit(Event.ALLREDUCE_FAILED, r + 1, reason=str(e), attempt=attempt)
+            if running:
+                self.deadlines.allreduce.backoff()
+            elif action.all_in and not ctx.stop.is_set():
+                self.deadlines.matchmaking.backoff()
+            return False
+        self._done(r, result, action.all_in)
+        return True
+
+    def _done(self, r: int, result: AllReduceResult, all_in: bool) -> None:
+        """Account for a successful all-reduce: deadlines, bytes, the group's digests, left-out contributions."""
+        ctx = self.ctx
+        if all_in:  # otherwise assembling included waiting for round-mates' inner steps
+            self.deadlines.matchmaking.observe(result.assembly_seconds)
+        self.deadlines.allreduce.observe(result.seconds - result.assembly_seconds)
+        self.stats.bytes_sent += result.bytes_sent
+        self.stats.bytes_received += result.bytes_received
+        self.last_group_size = result.group_size
+        ctx.swarm.update(last_sync=round(ctx.clock.time(), 1))  # for `p2p-diloco status`
+        theirs = rules.group_mismatch(r, ctx.state.digest, result.gathered)
+        if theirs is not None:
+            log.error("round %d: group members started from different global weights: %s", r + 1, theirs)
+            ctx.emit(Event.DIGEST_MISMATCH, r + 1, ours=ctx.state.digest, theirs=theirs)
+        for pid, reason in sorted(result.excluded.items()):  # our reducers left a bad contribution out
+            log.warning("round %d: left out the contribution of peer %s: %s", r + 1, pid, reason)
+            ctx.emit(Event.CONTRIBUTION_EXCLUDED, r + 1, peer=pid, reason=reason)
+        ctx.emit(Event.ALLREDUCE_DONE, r + 1, group_size=result.group_size, bytes_sent=result.bytes_sent,
+                 bytes_received=result.bytes_received, seconds=round(result.seconds, 3))

@@ -1,0 +1,106 @@
+"""What every peer concludes alone from the same live records, so that they agree without a coordinator.
+
+Pure functions over a :data:`~p2p_diloco.protocol.records.View`: no network, no torch. The decisions of
+:mod:`p2p_diloco.protocol.rules` are built from them; the unit tests pin each rule.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Iterable
+
+from .records import Phase, View
+
+
+def majority_digest(digests: Iterable[str]) -> str | None:
+    """The digest held by the most peers; a tie goes to the smallest digest, so every peer picks the same one.
+
+    Two peers that disagree therefore converge too (one of them repairs), instead of both keeping their weights.
+    """
+    counts = Counter(d for d in digests if d)
+    if not counts:
+        return None
+    top = max(counts.values())
+    return min(d for d, c in counts.items() if c == top)
+
+
+def synced(view: View, round_: int | None = None) -> View:
+    """Records of peers holding real global weights (optionally only those of round ``round_``)."""
+    return {pid: p for pid, p in view.items() if p.synced and (round_ is None or p.round == round_)}
+
+
+def training(view: View, round_: int) -> list[str]:
+    """Peers of round ``round_`` still in their inner steps (phase ``train``), sorted."""
+    return sorted(pid for pid, p in view.items() if p.round == round_ and p.phase == Phase.TRAIN)
+
+
+def swarm_round(view: View) -> int:
+    """The swarm's round: the highest round held (or passed) by two synced peers; with fewer than three synced
+    peers, the highest round any of them holds. -1 if none.
+
+    A straggler follows the peers that went ahead, which always come at least two at a time (a group), except
+    after a solo step. One peer claiming a later round alone (a liar, a buggy peer) is not followed once there are
+    three others to compare with: a peer that trusted the highest claim would download whatever state that one
+    peer serves for it, and the digest check cannot help, since the claimant is then the whole of its own round.
+    The honest peer that is ahead alone goes back to the others' round instead (:func:`alone_ahead`).
+    """
+    rounds = sorted((p.round for p in synced(view).values()), reverse=True)
+    if not rounds:
+        return -1
+    return rounds[0] if len(rounds) < 3 else rounds[1]
+
+
+def alone_ahead(view: View, round_: int) -> bool:
+    """True if we hold a later round than every one of at least three synced peers: they will not follow us
+    (:func:`swarm_round`), so we must go back to theirs, or the swarm would stay split (we stepped alone while they
+    were unreachable, or only we applied an all-reduce that failed for the others)."""
+    at = synced(view)
+    return len(at) >= 3 and all(p.round < round_ for p in at.values())
+
+
+def pick_donors(view: View, round_: int, rng: random.Random) -> tuple[str | None, list[str]]:
+    """``(digest, donors)``: the majority digest among synced peers of ``round_`` and the peers holding it, in
+    random order (spreads the download load; a dead donor is simply skipped by the caller)."""
+    at = synced(view, round_)
+    digest = majority_digest(p.digest for p in at.values())
+    # a client-mode peer accepts no inbound connection: it votes, but nobody can download from it
+    donors = sorted(pid for pid, p in at.items() if p.digest == digest and not p.client)
+    rng.shuffle(donors)
+    return digest, donors
+
+
+def needs_repair(view: View, round_: int, ours: str) -> str | None:
+    """The digest we should hold instead of ``ours``, if the synced peers of our round (and we) disagree with us."""
+    digests = [p.digest for p in synced(view, round_).values()]
+    if not digests:
+        return None
+    best = majority_digest([*digests, ours])
+    return best if best != ours else None
+
+
+def round_well_under_way(view: View, round_: int, inner_steps: int, overlap: bool = False) -> bool:
+    """True if round ``round_`` is too far along for a newcomer to join it.
+
+    Peers of a round wait for every live peer of that round, so a newcomer that starts ``d`` inner steps late
+    idles the N others for ``d`` steps each, and adds H steps of its own: worth it while ``N * d < H``. The
+    newcomer joins if the most advanced peer of the round is within ``H / (N + 1)`` steps of the start (slightly
+    conservative, since it also needs a moment to download), and not if any peer is already syncing.
+
+    With ``overlap`` the peers of round r are syncing it in the background while they train the next round, and
+    their ``inner_step`` is that training's progress: a newcomer who trains from theta(r) now arrives in round r's
+    all-reduce that many steps after them, so only the ``inner_step`` rule applies.
+    """
+    at = synced(view, round_)
+    if not at:
+        return False
+    if not overlap and any(p.phase == Phase.SYNC for p in at.values()):
+        return True
+    steps = [p.inner_step or 0 for p in at.values() if overlap or p.phase == Phase.TRAIN]
+    return max(steps, default=0) > inner_steps / (len(at) + 1)
+
+
+def behind(view: View, round_: int) -> list[str]:
+    """Live peers still working towards ``round_`` (joining, training or syncing an earlier round), sorted."""
+    return sorted(pid for pid, p in view.items()
+                  if p.phase in (Phase.JOIN, Phase.TRAIN, Phase.SYNC) and p.round < round_)

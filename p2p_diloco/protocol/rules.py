@@ -1,0 +1,204 @@
+"""The round protocol's decisions: for each moment of a round, what to do next, from what this peer knows of itself,
+the live records of the others (a :data:`~p2p_diloco.protocol.records.View`) and the clock.
+
+Pure functions that return an :mod:`~p2p_diloco.protocol.actions` action with its reason; the driver
+(:mod:`p2p_diloco.peer`) reads the records, calls them, and carries the action out. Each function is tested case by
+case as a table (``tests/unit/test_rules.py``), and the scenarios run against an in-memory swarm on a virtual clock
+(``p2p_diloco.testing``). ``now`` is always ``Clock.monotonic()``.
+
+The moments, in the order of a peer's life: :func:`decide_first_round` (wait for ``swarm.min_peers``),
+:func:`decide_join` (which round boundary to start at), :func:`decide_catch_up` (whose state to take),
+:func:`decide_sync` (the end of every round), :func:`decide_round_end` (sitting a round out after a repair),
+:func:`decide_overlap_entry` (``outer.overlap``), :func:`decide_linger` (the end of the run).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from . import consensus
+from .actions import (AllReduce, CatchUp, ConfirmAlone, Download, Leave, Repair, Solo, Start, Stay, TrainAhead,
+                      Wait)
+from .records import Phase, View
+
+JOIN_POLL = 0.2  # a newcomer waiting for a round boundary looks this often: the window to start in is short
+OVERLAP_POLL = 0.2  # an overlapped peer waiting for its round-mates to finish their inner steps
+
+
+def decide_first_round(view: View, min_peers: int, now: float, deadline: float, poll: float) -> Start | Wait:
+    """Hold the first round until ``min_peers`` peers (us included) are live and ready to train, so that they
+    all start it together and all take part in it; after ``deadline``, start anyway."""
+    ready = sum(1 for p in view.values() if p.ready) + 1
+    if ready >= min_peers:
+        return Start(phase=Phase.TRAIN, reason=f"{ready} of {min_peers} peers ready")
+    if now >= deadline:
+        return Start(phase=Phase.TRAIN, reason=f"only {ready} of {min_peers} peers ready by the deadline")
+    return Wait(seconds=poll, reason=f"waiting for peers: {ready}/{min_peers} ready")
+
+
+def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, waits_for_min_peers: bool,
+                finished: bool, now: float, deadline: float, poll: float = JOIN_POLL) -> CatchUp | Start | Wait:
+    """A newcomer holding theta(``round_``): start now, catch up first, or wait for the next round boundary?
+
+    A newcomer that starts a round that is well under way makes every other peer of that round wait for its inner
+    steps (:func:`consensus.round_well_under_way`). The first round of a swarm that waited for ``min_peers``
+    (``waits_for_min_peers``) is the exception: the others expect us in it. With ``outer.overlap`` the round we
+    can still contribute to is decided later (:func:`decide_overlap_entry`), so we start announced as ``join``.
+    """
+    phase = Phase.JOIN if overlap else Phase.TRAIN
+    if finished:
+        return Start(phase=phase, reason="the run's last round is done")
+    if now >= deadline:
+        return Start(phase=phase, reason="waited swarm.round_timeout for a round boundary")
+    if consensus.swarm_round(view) > round_:
+        return CatchUp(reason=f"the swarm is past round {round_}")
+    if round_ == 0 and waits_for_min_peers:
+        return Start(phase=phase, reason="the first round of a swarm that waited for its peers")
+    if not consensus.round_well_under_way(view, round_, inner_steps, overlap):
+        return Start(phase=phase, reason=f"round {round_ + 1} is not under way yet")
+    return Wait(seconds=poll, reason=f"round {round_ + 1} is well under way: waiting for its end")
+
+
+def decide_catch_up(round_: int, view: View, rng: random.Random) -> Download | Stay:
+    """Whose state to take, if any: the majority's of the swarm's round (:func:`consensus.swarm_round`) when it is
+    past ours, or when we hold a round alone ahead of peers that will not follow us (then exactly their round)."""
+    target = consensus.swarm_round(view)
+    back = consensus.alone_ahead(view, round_)
+    if target < 0 or (target <= round_ and not back):
+        return Stay(reason=f"the swarm's round {target} is not past ours ({round_})")
+    digest, donors = consensus.pick_donors(view, target, rng)
+    why = (f"we hold round {round_} alone; the others are in earlier rounds and will not follow" if back
+           else f"the swarm is in round {target}, we are in {round_}")
+    return Download(target=target, digest=digest, donors=tuple(donors), exact_round=back, reason=why)
+
+
+@dataclass(frozen=True)
+class SyncState:
+    """What :func:`decide_sync` needs to know of this peer at the end of round ``round + 1``.
+
+    Args:
+        round: theta(round) is what this round started from.
+        digest: its digest.
+        straggler_deadline: ``now`` after which round-mates still training are left out.
+        last_group_size: the size of our last all-reduce group (1: we were alone).
+        alone_since: when we started confirming that we are alone (None: not confirming).
+        confirm_for: how long to confirm (a record lifetime: ``swarm.peer_ttl`` + one heartbeat).
+        overlap: ``outer.overlap`` (the sync runs in the background, behind the next round's inner steps).
+    """
+
+    round: int
+    digest: str
+    straggler_deadline: float
+    last_group_size: int = 1
+    alone_since: float | None = None
+    confirm_for: float = 0.0
+    overlap: bool = False
+
+
+def decide_sync(s: SyncState, view: View, now: float
+                ) -> CatchUp | Repair | Wait | ConfirmAlone | Solo | AllReduce:
+    """Our pseudo-gradient for the round after theta(``s.round``) is ready: what now? Checked in this order:
+
+    * the swarm is past our round, or will not follow us ahead → :class:`CatchUp` (our work is dropped);
+    * the synced peers of our round mostly hold another digest than ours → :class:`Repair`;
+    * the round's group is every live peer of our round, and round-mates still training count until the straggler
+      deadline (after it only those ready to sync do); with ``overlap`` we wait until all of them are ready;
+    * nobody else is in our round → :class:`Solo`, first confirmed over a record lifetime
+      (:class:`ConfirmAlone`) if we averaged with others last time;
+    * otherwise → :class:`AllReduce` with exactly that group.
+    """
+    r = s.round
+    if consensus.swarm_round(view) > r or consensus.alone_ahead(view, r):
+        return CatchUp(reason=f"the swarm is past round {r} (or will not follow us): our round is lost")
+    good = consensus.needs_repair(view, r, s.digest)
+    if good is not None:
+        donors = tuple(sorted(pid for pid, p in consensus.synced(view, r).items() if p.digest == good))
+        return Repair(digest=good, donors=donors, reason=f"the majority of round {r} holds {good[:12]}")
+    late = consensus.training(view, r)
+    ready = (Phase.TRAIN, Phase.SYNC) if now <= s.straggler_deadline or not late else (Phase.SYNC,)
+    mates = sorted(pid for pid, p in view.items() if p.round == r and p.phase in ready)
+    if s.overlap and any(view[m].phase != Phase.SYNC for m in mates):
+        # Overlapped peers start syncing as soon as their inner steps end, at different moments: matching now
+        # would fix the group size before the slower ones (or a newcomer) are in, and whoever came first would
+        # take their places. We are training meanwhile, so waiting costs nothing.
+        return Wait(seconds=OVERLAP_POLL, reason="round-mates still training")
+    if not mates:
+        return _alone(s, view, now)
+    give_up_at = s.straggler_deadline if late and ready != (Phase.SYNC,) else None
+    return AllReduce(group_size=len(mates) + 1, all_in=not late, give_up_at=give_up_at,
+                     reason=f"{len(mates)} round-mate(s) " + ("ready" if not late else f"({len(late)} training)"))
+
+
+def _alone(s: SyncState, view: View, now: float) -> ConfirmAlone | Solo:
+    """No round-mate to group with. A solo step taken while the others are alive would fork theta, so a peer that
+    averaged with others last round confirms first: for a full record lifetime no record of our round may show."""
+    if s.last_group_size <= 1:
+        return Solo(reason="no other live peer in this round")
+    if s.alone_since is None:
+        return ConfirmAlone(reason="the other peers are gone; confirming before a solo step")
+    if consensus.synced(view, s.round):
+        return ConfirmAlone(restart=True, reason="a round-mate's record is still live")
+    if now >= s.alone_since + s.confirm_for:
+        return Solo(reason=f"no other live peer in this round for {now - s.alone_since:.1f} s")
+    return ConfirmAlone(reason="confirming that the other peers are gone")
+
+
+def decide_round_end(round_: int, view: View, now: float, deadline: float, poll: float) -> CatchUp | Stay | Wait:
+    """Sitting round ``round_`` out (after a repair, or an overlapped newcomer): take theta(round_+1) once the
+    swarm holds it; stop waiting if the peers of round ``round_`` are gone (nothing will come) or at ``deadline``."""
+    if now >= deadline:
+        return Stay(reason="waited swarm.round_timeout for the round to end")
+    if consensus.swarm_round(view) > round_:
+        return CatchUp(reason=f"the swarm holds round {round_ + 1}")
+    if not consensus.synced(view, round_):
+        return Stay(reason=f"no synced peer of round {round_} is left")
+    return Wait(seconds=poll, reason=f"waiting for round {round_ + 1} to end")
+
+
+def decide_overlap_entry(round_: int, view: View) -> TrainAhead | Start:
+    """(``outer.overlap``) Start training with no sync in flight (first round, after a join or a lost round): are
+    the peers of our round already averaging it? Then our pseudo-gradient can only go into the next round."""
+    if any(p.phase == Phase.SYNC for p in consensus.synced(view, round_).values()):
+        return TrainAhead(reason=f"the peers of round {round_ + 1} are already averaging it")
+    return Start(phase=Phase.TRAIN, reason=f"a member of round {round_ + 1}")
+
+
+def decide_linger(round_: int, view: View, now: float, deadline: float, poll: float) -> Leave | Wait:
+    """The run's last round is done: stay a state donor (until ``deadline``) while a peer is still behind, so that
+    one that missed the last round can still catch up."""
+    if now >= deadline:
+        return Leave(reason="waited swarm.state_timeout for the peers behind")
+    late = consensus.behind(view, round_)
+    if not late:
+        return Leave(reason="no live peer is behind")
+    return Wait(seconds=poll, reason=f"finished round {round_}; waiting for {len(late)} peer(s) to catch up")
+
+
+def donation_target(target: int, digest: str | None, got: Any, donor: str, read_view: Callable[[], View],
+                    exact_round: bool) -> tuple[int, str | None, str | None]:
+    """``(round, digest, problem)``: which round and digest a state downloaded from ``donor`` must have, given the
+    round ``got`` it says it holds. A donor that moved on during the download must hold the majority's digest of
+    *that* round, vouched for by peers other than the donor (else a liar would only need to claim a later round);
+    with no other synced peer at all (a lone donor), its own live record is all there is to go by. ``read_view``
+    is called (a fresh read of the records) only then."""
+    if not (isinstance(got, int) and got > target and not exact_round):
+        return target, digest, None
+    view = read_view()
+    others = {pid: p for pid, p in view.items() if pid != donor}
+    vouching: Mapping = others if consensus.synced(others) else {donor: view[donor]} if donor in view else {}
+    expected = consensus.majority_digest(p.digest for p in consensus.synced(vouching, got).values())
+    if expected is None:
+        return got, None, f"no other peer vouches for its round {got}"
+    return got, expected, None
+
+
+def group_mismatch(round_: int, digest: str, gathered: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The members of an all-reduce group that started from other weights than ours (theirs by peer id), or None.
+
+    The result is still applied: the next round's digest check repairs whichever side is in the minority."""
+    other = {pid: g.get("digest") for pid, g in gathered.items() if g.get("digest") != digest}
+    if other or any(g.get("round") != round_ for g in gathered.values()):
+        return other
+    return None

@@ -1,0 +1,107 @@
+"""What the peer needs of the swarm: the port its driver talks to, with no hivemind behind it here.
+
+:class:`~p2p_diloco.swarm.swarm.Swarm` implements it over hivemind (a DHT and the exact averagers);
+:class:`~p2p_diloco.testing.fake_swarm.FakeSwarm` in memory, on a virtual clock, with faults a test injects. The
+driver (:mod:`p2p_diloco.peer`) only ever sees this interface, so every protocol scenario can run against the fake.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from ..protocol.records import PeerRecord
+
+StateProvider = Callable[..., tuple[dict, list[torch.Tensor]]]  # () or (shard) -> (metadata, tensors) to donate
+
+
+def _never() -> bool:
+    return False
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class AllReduceRequest:
+    """One all-reduce attempt of a round: average ``tensors`` in place with exactly ``group_size`` peers.
+
+    Args:
+        round: theta(round) is what every member's pseudo-gradient started from (peers of other rounds never match).
+        tensors: this peer's pseudo-gradient; on success they hold the swarm's average (bit-identical on every
+            member), on failure they are untouched. With ``outer.sharding = "sharded"``: one tensor per shard.
+        weight: this peer's weight in the average (tokens trained in the round), > 0.
+        group_size: members, us included.
+        gather: small data every member receives from every other (round, digest, tokens).
+        should_stop: polled; True cancels the attempt (the others see our part go missing).
+        on_running: called once, when the group is assembled and the tensors start to flow.
+        matchmaking_time, allreduce_timeout: this attempt's deadlines (None: the ``[swarm]`` constants).
+        matchmaking_timeout: stop looking for a group after this many seconds (the straggler deadline).
+        commit: False leaves the result in the swarm's buffers until :meth:`SwarmPort.read_result`.
+    """
+
+    round: int
+    tensors: Sequence[torch.Tensor]
+    weight: float
+    group_size: int
+    gather: dict[str, Any]
+    should_stop: Callable[[], bool] = _never
+    on_running: Callable[[], None] = _nothing
+    matchmaking_time: float | None = None
+    allreduce_timeout: float | None = None
+    matchmaking_timeout: float | None = None
+    commit: bool = True
+
+
+@dataclass
+class AllReduceResult:
+    group_size: int
+    bytes_sent: int
+    bytes_received: int
+    seconds: float
+    gathered: dict[str, Any]  # {peer id: the data it gathered}
+    assembly_seconds: float = 0.0  # of ``seconds``: matchmaking, until the group was assembled
+    excluded: dict[str, str] = field(default_factory=dict)  # {peer id: reason} our reducers left out
+
+
+class SwarmPort(Protocol):
+    """One peer's connection to its run's swarm. Every call is bounded in time; failures of a round raise
+    :class:`~p2p_diloco.errors.RoundFailed`, a DHT that does not answer raises ``TimeoutError``."""
+
+    peer_id: str | None  # set by start()
+
+    def start(self) -> None:
+        """Join the swarm (refusing a config that differs from the live peers'), publish our first record."""
+
+    def shutdown(self) -> None:
+        """Announce that we leave, and stop everything the swarm started."""
+
+    def visible_maddrs(self) -> list[str]:
+        """Where other peers can reach us."""
+
+    def update(self, **fields: Any) -> None:
+        """Change fields of our live record (:class:`PeerRecord` names); they go out with the next heartbeat."""
+
+    def publish(self, ttl: float | None = None, **fields: Any) -> None:
+        """Change fields of our live record and store it now."""
+
+    def live_peers(self) -> dict[str, PeerRecord]:
+        """Every other live peer of this run and config."""
+
+    def all_reduce(self, request: AllReduceRequest) -> AllReduceResult:
+        """One all-or-nothing all-reduce attempt (:class:`AllReduceRequest`)."""
+
+    def read_result(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the last successful all-reduce made with ``commit=False`` into ``tensors``."""
+
+    def set_donor_round(self, round_: int) -> None:
+        """Peers downloading state prefer donors in higher rounds."""
+
+    def download_state(self, peer_id: str, shard: int | None = None) -> tuple[dict, list[torch.Tensor]]:
+        """``(metadata, tensors)`` of a live peer's global state (one shard of it, with ``shard``)."""
+
+
+SwarmFactory = Callable[..., SwarmPort]  # (cfg, tensors_like, state_provider, shards=None) -> SwarmPort

@@ -1,0 +1,274 @@
+"""The real swarm: a :class:`~p2p_diloco.swarm.port.SwarmPort` over hivemind.
+
+A :class:`Swarm` owns one ``hivemind.DHT`` and one :class:`~p2p_diloco.swarm.averager.ExactAverager` for the
+whole run, or one per logical shard with ``outer.sharding = "sharded"`` (averaging.py); creating and destroying
+averagers on one DHT kills the DHT within a few cycles (field notes item 7). It offers the round protocol exactly
+the operations it needs:
+
+* publish this peer's live record (round, digest, phase, progress) every ``heartbeat_period`` seconds, with a
+  ``peer_ttl`` expiration, so that every peer can see who is live, in which round, and with which digest
+  (records are signed with the peer's identity key, which is also its libp2p identity: see identity.py; every
+  DHT node refuses a record that breaks its schema: see schema.py);
+* check that peers already in the run use the same model/tokenizer/outer config;
+* all-reduce a list of tensors with exactly ``group_size`` peers of the same round, all-or-nothing;
+* download (round, theta, momentum) from a given live peer (the round protocol picks it: consensus.py);
+* in a private run (``swarm.allowed_peers``), ignore every peer outside the list (allowlist.py).
+
+No coordinator: every decision is taken locally from the DHT records, the same way on every peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+
+from ..config import Config
+from ..errors import ConfigMismatch, SwarmError
+from .allowlist import resolve_allowed_peers
+from ..protocol.records import PeerRecord, wire_fields
+from .averaging import Averagers, one_line
+from .port import AllReduceRequest, AllReduceResult
+from .identity import Identity, OwnedRecordsValidator, records_by_owner
+from .schema import RunRecordsValidator, check_config_record, normalize_record
+from ..runtime.processes import descendants, keep_freed_memory, reap_children
+
+log = logging.getLogger(__name__)
+DHT_CALL_TIMEOUT = 15.0
+
+
+class Swarm:
+    """One peer's connection to the run's swarm.
+
+    Args:
+        cfg: the run config (``[swarm]`` section, run id and fingerprint are used here).
+        tensors_like: tensors shaped like the pseudo-gradient (fp32, CPU); copied for the averager's buffers. With
+            ``shards``: one tensor per shard, in the order of ``shards``.
+        state_provider: returns ``(metadata, tensors)`` for peers that download our state (called from a
+            background thread of this process, so it must take its own lock). With ``shards``: called with j.
+        shards: ``outer.sharding = "sharded"``: the logical shards this process keeps, one averager each.
+        rank_of: a follower rank of a torchrun peer (sharded mode): the addresses of its rank 0's DHT. Such a
+            swarm only runs a DHT node and the shard averagers: no records, no config check (rank 0 does those).
+    """
+
+    def __init__(self, cfg: Config, tensors_like: Sequence[torch.Tensor], state_provider: Callable[..., tuple],
+                 shards: Sequence[int] | None = None, rank_of: Sequence[str] | None = None):
+        self.cfg, self.sc = cfg, cfg.swarm
+        self.run_id, self.fingerprint = cfg.run.run_id, cfg.fingerprint()
+        if shards is None:
+            self._groups, self._providers = {"": list(tensors_like)}, {"": state_provider}
+        else:
+            self._groups = {f"s{j}": [t] for j, t in zip(shards, tensors_like, strict=True)}
+            self._providers = {f"s{j}": (lambda j=j: state_provider(j)) for j in shards}
+        self.shards = list(shards) if shards is not None else None
+        self.rank_of = list(rank_of) if rank_of is not None else None
+        self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe for concurrent callers
+        self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": "join",
+                                        "client": self.sc.client_mode}
+        self._record_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self.dht: hivemind.DHT | None = None
+        self.peer_id: str | None = None  # ours, once started
+        self.identity: Identity | None = None
+        self._seen: dict[str, tuple[dict, float]] = {}  # live records read so far, with their DHT expiration
+        self.averagers: Averagers | None = None
+        self._owned: set[int] | None = None  # our processes (None until started: then every child is ours)
+        self.allowed = resolve_allowed_peers(self.sc.allowed_peers)  # None: an open swarm (allowlist.py)
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the DHT (joining ``swarm.initial_peers``), refuse a mismatched config, start the averager(s)."""
+        # Children forked from here (DHT, averager) and the p2pd they exec ignore SIGINT, so Ctrl-C in a terminal
+        # reaches only the main process, which then shuts them down in order (see shutdown()).
+        keep_freed_memory()  # before the forks: the averager's data plane gains most (see processes.py)
+        before = descendants()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        follower = self.rank_of is not None
+        self.identity = Identity(None if follower else (self.sc.identity_path or None))
+        try:
+            self.dht = hivemind.DHT(
+                initial_peers=(self.rank_of if follower else self.sc.initial_peers) or None, start=True,
+                host_maddrs=self.sc.host_maddrs, announce_maddrs=self.sc.announce_maddrs or None,
+                startup_timeout=self.sc.startup_timeout, await_ready=True, identity_path=self.identity.path,
+                check_if_identity_free=not self.identity.fresh, client_mode=self.sc.client_mode,
+                use_relay=self.sc.use_relay, use_auto_relay=self.sc.use_auto_relay,
+                record_validators=[self.identity.validator,
+                                   OwnedRecordsValidator([f"{self.run_id}.live", f"{self.run_id}.config"]),
+                                   RunRecordsValidator(self.run_id)],
+            )
+        except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
+            reap_children(timeout=5.0)
+            raise SwarmError(f"could not start or join the swarm: {one_line(e)}") from None
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            self.identity.close()  # p2pd has read it
+        self.peer_id = self.dht.peer_id.to_base58()
+        try:
+            if self.peer_id != self.identity.peer_id:  # our records are signed with the identity p2pd must use
+                raise SwarmError(f"p2pd runs as {self.peer_id}, not as our identity {self.identity.peer_id}")
+            if not follower:
+                self.check_config()
+            if self.allowed is not None and self.peer_id not in self.allowed:
+                raise SwarmError(f"this peer ({self.peer_id}) is not in swarm.allowed_peers: the others would "
+                                 f"refuse it (fix the list, or give --identity-path with a listed key)")
+            self.averagers = Averagers(self.cfg, self.dht, self._groups, self._providers, self.visible_maddrs,
+                                       self.allowed)
+            self._owned = descendants() - before  # DHT, averager(s), p2pd: what shutdown() stops
+            if not follower:
+                self._publish_config()
+                self.publish(phase="join")
+        except BaseException:
+            self.shutdown()  # a half-started peer must not leave its DHT/p2pd processes behind
+            raise
+        if not follower:
+            self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+            self._heartbeat.start()
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def shutdown(self) -> None:
+        """Leave the DHT and stop every process of ours (averager, DHT, p2pd), whatever state they are in."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=self.sc.heartbeat_period + 5)
+        try:
+            if (self.dht is not None and self.dht.is_alive() and self.averagers is not None
+                    and self.rank_of is None):
+                self.publish(phase="left", ttl=self.sc.heartbeat_period)
+        except Exception as e:  # leaving is best effort; the record also expires by itself
+            log.debug("could not publish leave record: %r", e)
+        if self.averagers is not None:  # first: they use the DHT
+            self.averagers.shutdown()
+        try:
+            if self.dht is not None and self.dht.is_alive():
+                self.dht.shutdown()
+        except Exception as e:
+            log.debug("DHT shutdown failed: %r", e)
+        reap_children(timeout=5.0, only=self._owned)
+
+    # ------------------------------------------------------------------------------------------------- records
+    def _dht_call(self, method: str, *args, **kwargs):
+        """One DHT get/store, serialised and bounded (a DHT whose process died would block forever)."""
+        with self._dht_lock:
+            future = getattr(self.dht, method)(*args, return_future=True, **kwargs)
+            return future.result(timeout=DHT_CALL_TIMEOUT)
+
+    def update(self, **fields: Any) -> None:
+        """Change fields of our live record; they go out with the next heartbeat."""
+        with self._record_lock:
+            self._record.update(wire_fields(fields))
+
+    def publish(self, ttl: float | None = None, **fields: Any) -> None:
+        """Change fields of our live record and store it now (round boundaries must be visible at once)."""
+        with self._record_lock:
+            self._record.update(wire_fields(fields))
+            record = normalize_record(dict(self._record, t=time.time()))  # SwarmError: a bug of ours
+        expiration = get_dht_time() + (ttl or self.sc.peer_ttl)
+        self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.identity.subkey())
+
+    def _publish_config(self) -> None:
+        expiration = get_dht_time() + 5 * self.sc.peer_ttl
+        fields = check_config_record(self.cfg.fingerprint_fields())  # SwarmError: a bug of ours
+        self._dht_call("store", f"{self.run_id}.config", fields, expiration, subkey=self.identity.subkey())
+
+    def _heartbeat_loop(self) -> None:
+        beats = 0
+        while not self._stop.wait(self.sc.heartbeat_period):
+            try:
+                self.publish()
+                beats += 1
+                if beats % 10 == 0:
+                    self._publish_config()
+            except Exception as e:  # a missed heartbeat only makes us look dead for a while
+                log.warning("heartbeat failed: %r", e)
+
+    def _read_dict(self, key: str, with_expiration: bool = False) -> dict[str, Any]:
+        """``{peer_id: record}`` of a shared key: only signed records whose key belongs to the peer id they name
+        (see identity.py); anything else (forged, unsigned, not a dict) is ignored."""
+        found = records_by_owner(self._dht_call("get", key, latest=True))
+        return {owner: (item.value, item.expiration_time) if with_expiration else item.value
+                for owner, item in found.items()
+                if isinstance(item.value, dict) and (self.allowed is None or owner in self.allowed)}
+
+    def live_peers(self) -> dict[str, PeerRecord]:
+        """Every other live peer of this run and config: ``{peer_id: record}``.
+
+        A DHT read can miss some records (seen when a frozen peer's DHT node held part of the key: two survivors
+        saw each other but not the third, and averaged as a pair). So records are merged with the ones read
+        before, each kept until its own expiration; a newer version of a record always replaces an older one.
+        """
+        now = get_dht_time()
+        for pid, (record, expiration) in self._read_dict(f"{self.run_id}.live", with_expiration=True).items():
+            known = self._seen.get(pid)
+            # versions of one peer's record are ordered by its own publish time ("left" has a short expiration)
+            if known is None or record.get("t", 0) >= known[0].get("t", 0):
+                self._seen[pid] = (record, expiration)
+        self._seen = {pid: item for pid, item in self._seen.items() if item[1] > now}
+        return {pid: PeerRecord.from_wire(rec) for pid, (rec, _) in self._seen.items()
+                if pid != self.peer_id and rec.get("fp") == self.fingerprint and rec.get("phase") != "left"}
+
+    def check_config(self) -> None:
+        """Raise :class:`ConfigMismatch` naming the differences if a live peer of this run id uses another config."""
+        live = self._read_dict(f"{self.run_id}.live")
+        ours = self.cfg.fingerprint_fields()
+        for pid, theirs in self._read_dict(f"{self.run_id}.config").items():
+            if pid == self.peer_id or pid not in live or live[pid].get("phase") == "left":
+                continue
+            diffs = [f"{k}: ours {ours.get(k)!r}, theirs {theirs.get(k)!r}"
+                     for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+            if diffs:
+                raise ConfigMismatch(
+                    f"run {self.run_id!r} already has peer {pid} with a different config ({'; '.join(diffs)}); "
+                    f"use the same config or another --run-id"
+                )
+
+    # ---------------------------------------------------------------------------------------------- averaging
+    def all_reduce(self, request: AllReduceRequest) -> AllReduceResult:
+        """One all-or-nothing all-reduce attempt (:class:`~p2p_diloco.swarm.port.AllReduceRequest`), in place.
+
+        On success every member holds bit-identical averages. On any failure raises :class:`RoundFailed` and
+        leaves the tensors untouched, so the caller cannot apply a partial result by mistake. A stop request
+        cancels the step (the others see our part go missing and redo the round without us). With ``shards``,
+        ``request.tensors`` holds one tensor per shard, each averaged in its own shard's group, all at once; any
+        shard failing fails the whole call.
+        """
+        if request.weight <= 0:
+            raise ValueError("all-reduce weight must be > 0")  # all-zero weights give NaN everywhere
+        matchmaking_time = request.matchmaking_time or self.sc.matchmaking_time
+        allreduce_timeout = request.allreduce_timeout or self.sc.allreduce_timeout
+        # hivemind needs the step's timeout to exceed the matchmaking window (it schedules the start after it)
+        look = max(min(2 * matchmaking_time, request.matchmaking_timeout or float("inf")), matchmaking_time + 0.5)
+        groups = self._split(request.tensors)
+        result = self.averagers.all_reduce(request.round, groups, request.weight, request.group_size,
+                                           request.gather, request.should_stop, request.on_running,
+                                           matchmaking_time, allreduce_timeout, look)
+        if request.commit:
+            self.averagers.read_into(groups)
+        return result
+
+    def read_result(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Copy the last successful :meth:`all_reduce` (made with ``commit=False``) into ``tensors``."""
+        self.averagers.read_into(self._split(tensors))
+
+    def _split(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+        return [[t] for t in tensors] if self.shards is not None else [list(tensors)]
+
+    def set_donor_round(self, round_: int) -> None:
+        """Peers downloading state prefer the donor in the highest round (a client-mode peer serves no state)."""
+        if not self.sc.client_mode:
+            self.averagers.set_priority(float(round_))
+
+    def download_state(self, peer_id: str, shard: int | None = None) -> tuple[dict, list[torch.Tensor]]:
+        """Download ``(metadata, tensors)`` from the given live peer (with ``shard``: that shard's state, from the
+        process of that peer that keeps it); raises :class:`RoundFailed` on any failure (the donor died or froze
+        mid-transfer, refused, or sent nothing) within ``swarm.state_timeout``."""
+        index = 0 if shard is None else self.shards.index(shard)
+        return self.averagers.download(index, peer_id, self.sc.state_timeout)

@@ -1,0 +1,131 @@
+"""The in-memory all-reduce of :mod:`p2p_diloco.testing.fake_swarm`: matchmaking by round and group size, a
+transfer that takes virtual time, and the failures a real all-reduce has (a member killed, frozen, stopped, or
+losing its parts). The average is computed once, with the real validation and aggregation rules
+(:mod:`p2p_diloco.outer.aggregation`) and the run's wire codec, and every member copies the same bits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..outer.aggregation import Contribution, Policy, aggregate, corrupt_
+from ..outer.codecs import get_codec
+
+
+@dataclass
+class Call:
+    """One member's all-reduce attempt, from matchmaking to its result."""
+
+    swarm: Any  # the member's FakeSwarm
+    request: Any  # AllReduceRequest
+    started: float
+    found: Any  # SimEvent: set when a group takes this call
+    group: Group | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.swarm.cfg.fingerprint(), self.request.round, self.request.group_size)
+
+
+@dataclass
+class Group:
+    """Members that matched; the transfer begins after ``assemble_seconds`` and ends ``transfer_seconds`` later."""
+
+    net: Any  # the FakeNetwork
+    calls: list[Call]
+    formed: float
+    began: Any  # SimEvent
+    ended: Any  # SimEvent: the average is ready, or the group failed
+    failure: str | None = None
+    result: list[torch.Tensor] = field(default_factory=list)
+    excluded: dict[str, str] = field(default_factory=dict)
+    begin_time: float = 0.0
+
+    @property
+    def members(self) -> list[str]:
+        return [c.swarm.peer_id for c in self.calls]
+
+    def fail(self, reason: str) -> None:
+        if not self.ended.is_set():
+            self.failure = reason
+            self.began.set()
+            self.ended.set()
+
+    def begin(self) -> None:
+        if self.ended.is_set():
+            return
+        self.begin_time = self.net.clock.monotonic()
+        self.began.set()
+        frozen = [m for m in self.members if self.net.sim.frozen(m)]
+        if frozen:  # a frozen member sends nothing: the others notice after a chunk timeout
+            self.net.sim.call_at(self.begin_time + self._chunk_timeout(),
+                                 lambda: self.fail(f"no part from {frozen[0]} within the chunk timeout"))
+            return
+        seconds = self.net.transfer_seconds + max(self.net.slow.get(m, 0.0) for m in self.members)
+        limit = min(c.request.allreduce_timeout or c.swarm.cfg.swarm.allreduce_timeout for c in self.calls)
+        if seconds > limit:
+            self.net.sim.call_at(self.begin_time + limit, lambda: self.fail("all-reduce step did not finish in time"))
+        else:
+            self.net.sim.call_at(self.begin_time + seconds, self.finish)
+
+    def _chunk_timeout(self) -> float:
+        return min(c.swarm.cfg.swarm.next_chunk_timeout for c in self.calls)
+
+    def finish(self) -> None:
+        """The transfer is over: every member gets the same average (or the group fails)."""
+        if self.ended.is_set() or any(self.net.sim.frozen(m) for m in self.members):
+            return  # (a member frozen mid-transfer: the chunk timeout fails the group)
+        dropped = [m for m in self.members if self.net.drops.get(m, 0) > 0]
+        if dropped:
+            self.net.drops[dropped[0]] -= 1
+            self.fail(f"reducer {dropped[0]} failed (1 parts missing)")
+            return
+        calls = sorted(self.calls, key=lambda c: c.swarm.peer_id)
+        flats = []
+        for c in calls:
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in c.request.tensors])
+            mode = c.swarm.cfg.debug.corrupt_pseudo_gradient
+            if mode:  # the security tests' malicious peer, as the real swarm does it
+                corrupt_([flat], mode, torch.Generator().manual_seed(c.swarm.cfg.run.seed + 1))
+            flats.append(flat)
+        cfg = calls[0].swarm.cfg
+        policy = Policy(method=cfg.outer.aggregation, norm_bound=cfg.outer.norm_bound, trim=cfg.outer.trim)
+        contributions = [Contribution(i, f, float(c.request.weight)) for i, (c, f) in enumerate(zip(calls, flats))]
+        try:
+            average, excluded = aggregate(contributions, policy, flats[0].numel())
+        except Exception as e:  # every contribution excluded: the round fails on every member
+            self.fail(f"reducer failed: {e}")
+            return
+        average = get_codec(cfg.outer.compression).round_trip(average)
+        self.excluded = {calls[i].swarm.peer_id: reason for i, reason in excluded.items()}
+        self.result = [average]
+        self.ended.set()
+
+    def result_like(self, tensors) -> list[torch.Tensor]:
+        """The average, cut like ``tensors``."""
+        out, offset = [], 0
+        for t in tensors:
+            out.append(self.result[0][offset:offset + t.numel()].view_as(t).clone())
+            offset += t.numel()
+        return out
+
+
+def matchmake(net: Any, call: Call) -> None:
+    """Add ``call`` to the calls looking for a group; form a group of every ``group_size`` calls with the same
+    run, round and group size, in the order they came."""
+    net.looking.append(call)
+    same = [c for c in net.looking if c.key == call.key]
+    size = call.request.group_size
+    if len(same) < size:
+        return
+    calls = same[:size]
+    for c in calls:
+        net.looking.remove(c)
+    group = Group(net, calls, net.clock.monotonic(), net.clock.event(), net.clock.event())
+    net.groups.append(group)
+    for c in calls:
+        c.group = group
+        c.found.set()
+    net.sim.call_at(group.formed + net.assemble_seconds, group.begin)

@@ -1,0 +1,282 @@
+"""An in-memory swarm for protocol scenarios: the :class:`~p2p_diloco.swarm.port.SwarmPort` of many peers in one
+process, on the virtual clock of a :class:`~p2p_diloco.testing.sim.Simulation`, with faults injected by the test.
+
+What it models, as the real swarm does it (``p2p_diloco/swarm/``):
+
+* **records**: each peer's live record, refreshed by a heartbeat task every ``swarm.heartbeat_period`` and stored
+  with a ``swarm.peer_ttl`` expiration, so that a killed or frozen peer's record expires a lifetime after its last
+  beat; :meth:`FakeSwarm.update` goes out with the next beat, :meth:`FakeSwarm.publish` at once; a reader merges
+  what it reads with what it read before, each record kept until its own expiration (as ``Swarm.live_peers``);
+* **the all-reduce** (:mod:`.fake_allreduce`): groups of exactly the expected size per round, a transfer that takes
+  virtual time, all or nothing, the same bits on every member;
+* **state downloads** from a live, non-client peer, taking virtual time.
+
+Faults (each a method of :class:`FakeNetwork`): :meth:`~FakeNetwork.kill` (SIGKILL: its tasks end, its parts stop at
+once), :meth:`~FakeNetwork.freeze` / :meth:`~FakeNetwork.thaw` (SIGSTOP / SIGCONT), :meth:`~FakeNetwork.drop` (a
+group it is in loses its parts), :meth:`~FakeNetwork.slow_down` (its transfers take longer),
+:meth:`~FakeNetwork.lie` (it serves a self-consistent state that is not the majority's), :meth:`~FakeNetwork.hide`
+(one peer's reads miss another's record), :meth:`~FakeNetwork.hold` (its first all-reduce attempt of a round starts
+late).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..config import Config
+from ..errors import ConfigMismatch, RoundFailed
+from ..outer.optimizer import digest
+from ..protocol.records import PeerRecord, wire_fields
+from ..swarm.port import AllReduceRequest, AllReduceResult
+from .fake_allreduce import Call, Group, matchmake
+from .sim import Killed, Simulation
+
+POLL = 0.1  # how often a waiting call looks at its stop request
+
+
+class FakeNetwork:
+    """The shared medium of in-memory peers (module docstring).
+
+    Args:
+        sim: the simulation whose clock everything runs on.
+        transfer_seconds: how long an all-reduce's transfer takes once the group has assembled.
+        assemble_seconds: from the last member's arrival to the transfer's start.
+        download_seconds: how long a state download takes.
+    """
+
+    def __init__(self, sim: Simulation, transfer_seconds: float = 0.2, assemble_seconds: float = 0.2,
+                 download_seconds: float = 0.5):
+        self.sim, self.clock = sim, sim.clock
+        self.transfer_seconds, self.assemble_seconds = transfer_seconds, assemble_seconds
+        self.download_seconds = download_seconds
+        self.swarms: dict[str, FakeSwarm] = {}
+        self.stored: dict[str, tuple[dict, float]] = {}  # peer id -> (live record, expiration)
+        self.configs: dict[str, dict] = {}
+        self.looking: list[Call] = []
+        self.groups: list[Group] = []
+        self.drops: dict[str, int] = {}
+        self.slow: dict[str, float] = {}
+        self.liars: set[str] = set()
+        self.hidden: set[tuple[str, str]] = set()
+        self.holds: dict[tuple[str, int], float] = {}
+
+    def factory(self, peer_id: str) -> Callable[..., FakeSwarm]:
+        """A swarm factory (``(cfg, tensors_like, state_provider, shards=None)``) for the peer ``peer_id``."""
+        def make(cfg: Config, tensors_like: Sequence[torch.Tensor], provider: Callable[..., tuple],
+                 shards: Sequence[int] | None = None) -> FakeSwarm:
+            swarm = FakeSwarm(self, peer_id, cfg, provider, shards)
+            self.swarms[peer_id] = swarm
+            return swarm
+        return make
+
+    # ------------------------------------------------------------------------------------------------- faults
+    def kill(self, peer_id: str) -> None:
+        """SIGKILL of the peer's whole process group: its tasks end, its parts stop at once, its records stay
+        until they expire."""
+        swarm = self.swarms[peer_id]
+        swarm.dead = True
+        self.sim.kill(peer_id)
+        self.looking = [c for c in self.looking if c.swarm is not swarm]
+        for group in self._groups_of(peer_id):
+            group.fail(f"stream with member {peer_id} reset")
+
+    def freeze(self, peer_id: str) -> None:
+        """SIGSTOP: nothing of the peer runs (no heartbeats, no parts) until :meth:`thaw`."""
+        self.sim.freeze(peer_id)
+        swarm = self.swarms[peer_id]
+        self.looking = [c for c in self.looking if c.swarm is not swarm]
+        for group in self._groups_of(peer_id):
+            if group.began.is_set():
+                timeout = swarm.cfg.swarm.next_chunk_timeout
+                self.sim.call_at(self.clock.monotonic() + timeout,
+                                 lambda g=group: g.fail(f"no part from {peer_id} within the chunk timeout"))
+
+    def thaw(self, peer_id: str) -> None:
+        self.sim.thaw(peer_id)
+
+    def drop(self, peer_id: str, groups: int = 1) -> None:
+        """The next ``groups`` all-reduces this peer is in lose its parts (the group fails)."""
+        self.drops[peer_id] = self.drops.get(peer_id, 0) + groups
+
+    def slow_down(self, peer_id: str, seconds: float) -> None:
+        """Every all-reduce this peer is in takes ``seconds`` longer."""
+        self.slow[peer_id] = seconds
+
+    def lie(self, peer_id: str) -> None:
+        """The peer serves downloaders a state that is self-consistent (its digest matches) but not the majority's."""
+        self.liars.add(peer_id)
+
+    def hide(self, reader: str, owner: str) -> None:
+        """``reader``'s reads of the records miss ``owner``'s (as a frozen or slow DHT node would)."""
+        self.hidden.add((reader, owner))
+
+    def hold(self, peer_id: str, round_: int, seconds: float) -> None:
+        """The peer's first all-reduce attempt for theta(``round_``) starts ``seconds`` late."""
+        self.holds[(peer_id, round_)] = seconds
+
+    def _groups_of(self, peer_id: str) -> list[Group]:
+        return [g for g in self.groups if peer_id in g.members and not g.ended.is_set()]
+
+    # ------------------------------------------------------------------------------------------------ records
+    def store(self, peer_id: str, record: dict, ttl: float) -> None:
+        self.stored[peer_id] = (dict(record), self.clock.monotonic() + ttl)
+
+    def read(self, reader: str) -> dict[str, tuple[dict, float]]:
+        now = self.clock.monotonic()
+        return {pid: item for pid, item in self.stored.items()
+                if item[1] > now and (reader, pid) not in self.hidden}
+
+
+class FakeSwarm:
+    """One peer's :class:`~p2p_diloco.swarm.port.SwarmPort` on a :class:`FakeNetwork`."""
+
+    def __init__(self, net: FakeNetwork, peer_id: str, cfg: Config, provider: Callable[..., tuple],
+                 shards: Sequence[int] | None):
+        self.net, self.cfg, self.sc, self.provider, self.shards = net, cfg, cfg.swarm, provider, shards
+        self.name = peer_id
+        self.peer_id: str | None = None
+        self.dead = False
+        self.record: dict[str, Any] = {"fp": cfg.fingerprint(), "round": 0, "phase": "join",
+                                       "client": cfg.swarm.client_mode}
+        self.seen: dict[str, tuple[dict, float]] = {}
+        self.stopped = net.clock.event()
+        self.last: Group | None = None
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        ours = self.cfg.fingerprint_fields()
+        for pid, theirs in self.net.configs.items():
+            alive = pid in self.net.read(self.name) and self.net.stored[pid][0].get("phase") != "left"
+            diffs = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+            if alive and diffs and self.cfg.run.run_id == self.net.swarms[pid].cfg.run.run_id:
+                raise ConfigMismatch(f"run {self.cfg.run.run_id!r} already has peer {pid} with a different config "
+                                     f"({', '.join(diffs)})")
+        self.peer_id = self.name
+        self.net.configs[self.name] = ours
+        self.publish(phase="join")
+        self.net.sim.spawn(self._heartbeat, f"{self.name}:heartbeat")
+
+    def _heartbeat(self) -> None:
+        while not self.net.clock.wait(self.stopped, self.sc.heartbeat_period):
+            self.publish()
+
+    def shutdown(self) -> None:
+        self.stopped.set()
+        if self.peer_id is not None and not self.dead:
+            self.publish(phase="left", ttl=self.sc.heartbeat_period)
+
+    def visible_maddrs(self) -> list[str]:
+        return [f"/sim/{self.name}"]
+
+    # ------------------------------------------------------------------------------------------------ records
+    def update(self, **fields: Any) -> None:
+        self._check_alive()
+        self.record.update(wire_fields(fields))  # goes out with the next heartbeat
+
+    def publish(self, ttl: float | None = None, **fields: Any) -> None:
+        self._check_alive()
+        self.record.update(wire_fields(fields))
+        self.record["t"] = self.net.clock.time()
+        self.net.store(self.name, self.record, ttl or self.sc.peer_ttl)
+
+    def live_peers(self) -> dict[str, PeerRecord]:
+        self._check_alive()
+        now = self.net.clock.monotonic()
+        for pid, (record, expiration) in self.net.read(self.name).items():
+            known = self.seen.get(pid)
+            if known is None or record.get("t", 0) >= known[0].get("t", 0):
+                self.seen[pid] = (record, expiration)
+        self.seen = {pid: item for pid, item in self.seen.items() if item[1] > now}
+        return {pid: PeerRecord.from_wire(rec) for pid, (rec, _) in self.seen.items()
+                if pid != self.name and rec.get("fp") == self.cfg.fingerprint() and rec.get("phase") != "left"}
+
+    # ---------------------------------------------------------------------------------------------- averaging
+    def _check_alive(self) -> None:
+        """A killed peer's task runs on until its next wait: whatever it does meanwhile must have no effect."""
+        if self.dead:
+            raise Killed
+
+    def all_reduce(self, request: AllReduceRequest) -> AllReduceResult:
+        self._check_alive()
+        if request.weight <= 0:
+            raise ValueError("all-reduce weight must be > 0")
+        clock = self.net.clock
+        hold = self.net.holds.pop((self.name, request.round), 0.0)
+        until = clock.monotonic() + hold
+        while clock.monotonic() < until and not request.should_stop():
+            clock.sleep(min(POLL, until - clock.monotonic()))
+        mm = request.matchmaking_time or self.sc.matchmaking_time
+        look = max(min(2 * mm, request.matchmaking_timeout or float("inf")), mm + 0.5)
+        call = Call(self, request, clock.monotonic(), clock.event())
+        matchmake(self.net, call)
+        group = self._await(call, call.started + look)
+        running = False
+        while not group.ended.is_set():
+            if request.should_stop():
+                group.fail(f"member {self.name} stopped")
+                raise RoundFailed("stopped")
+            if not running and group.began.is_set():
+                running = True
+                request.on_running()
+            clock.wait(group.ended if running else group.began, POLL)
+        if group.failure:
+            raise RoundFailed(group.failure)
+        if not running:
+            request.on_running()
+        self.last = group
+        if request.commit:
+            self.read_result(request.tensors)
+        return self._result(call, group)
+
+    def _await(self, call: Call, deadline: float) -> Group:
+        """Wait for a group to take ``call``, or fail at ``deadline``."""
+        clock = self.net.clock
+        while call.group is None:
+            if call.request.should_stop() or clock.monotonic() >= deadline:
+                if call in self.net.looking:
+                    self.net.looking.remove(call)
+                raise RoundFailed("stopped" if call.request.should_stop() else "could not find a group")
+            clock.wait(call.found, min(POLL, deadline - clock.monotonic()))
+        return call.group
+
+    def _result(self, call: Call, group: Group) -> AllReduceResult:
+        n = len(group.calls)
+        payload = sum(t.numel() for t in call.request.tensors) * 4
+        moved = int(2 * (n - 1) / n * payload)
+        gathered = {c.swarm.name: dict(c.request.gather) for c in group.calls}
+        now = self.net.clock.monotonic()
+        return AllReduceResult(n, moved, moved, now - call.started, gathered, group.begin_time - call.started,
+                               dict(group.excluded))
+
+    def read_result(self, tensors: Sequence[torch.Tensor]) -> None:
+        for t, avg in zip(tensors, self.last.result_like(tensors), strict=True):
+            t.copy_(avg)
+
+    def set_donor_round(self, round_: int) -> None:
+        pass
+
+    def download_state(self, peer_id: str, shard: int | None = None) -> tuple[dict, list[torch.Tensor]]:
+        self._check_alive()
+        net, clock = self.net, self.net.clock
+        donor = net.swarms.get(peer_id)
+        fail = f"state download from {peer_id} failed"
+        if donor is None or donor.dead or donor.peer_id is None or donor.sc.client_mode:
+            raise RoundFailed(f"{fail}: the peer is not reachable")
+        if net.sim.frozen(peer_id):
+            clock.sleep(self.sc.next_chunk_timeout)
+            raise RoundFailed(f"{fail}: TimeoutError")
+        meta, tensors = donor.provider() if shard is None else donor.provider(shard)
+        tensors = [t.clone() for t in tensors]
+        if peer_id in net.liars and shard is None:  # self-consistent, but not the majority's weights
+            n = len(tensors) // 2
+            for t in tensors[:n]:
+                t.add_(1e-2)
+            meta = dict(meta, digest=digest(tensors[:n]))
+        clock.sleep(min(net.download_seconds, self.sc.state_timeout))
+        if net.download_seconds > self.sc.state_timeout:
+            raise RoundFailed(f"{fail}: TimeoutError")
+        if donor.dead or net.sim.frozen(peer_id):
+            raise RoundFailed(f"{fail}: stream reset")
+        return meta, tensors

@@ -1,0 +1,77 @@
+"""The peer's local model and what trains it, as one part: tokenizer, model and held-out eval batches (built
+first: theta(0) comes from the model), then, once the peer id is known, the data stream (whose order derives from
+it), the inner trainer and the replica (the local ranks of a cluster peer)."""
+
+from __future__ import annotations
+
+from ..config import Config
+from ..local.cluster import ClusterReplica, ClusterTrainer
+from ..local.commands import INIT
+from .data import PackedStream, eval_batches
+from .inner import InnerTrainer, Replica, resolve_device
+from .model import build_model
+from .tokenizer import build_tokenizer, vocab_size
+
+
+class Training:
+    """A peer's local model and its inner training.
+
+    Args:
+        cfg: the run config.
+        cluster: the local ranks of a torchrun peer (:class:`~p2p_diloco.local.cluster.Cluster`), or None.
+    """
+
+    def __init__(self, cfg: Config, cluster=None):
+        self.cfg, self.cluster = cfg, cluster
+        self.device = cluster.device if cluster else resolve_device(cfg.train.device)
+        self.tokenizer = build_tokenizer(cfg.tokenizer)
+        self.model = build_model(cfg.model, vocab_size(self.tokenizer), cfg.run.seed).to(self.device)
+        self.params = list(self.model.parameters())
+        self.eval_set = eval_batches(self.tokenizer, cfg.data, cfg.eval.batches)
+        self.data_seed: int | None = None
+        self.data: PackedStream | None = None
+        self.trainer: InnerTrainer | None = None
+        self.replica: Replica | None = None
+
+    def start(self, data_seed: int) -> None:
+        """Build the data stream (in ``data_seed``'s order), the trainer and the replica."""
+        cfg = self.cfg
+        self.data_seed = data_seed
+        self.data = PackedStream(self.tokenizer, cfg.data, data_seed)
+        horizon = cfg.train.total_steps or cfg.run.max_rounds * cfg.train.inner_steps
+        if self.cluster:
+            self.cluster.send(INIT, data_seed)  # the other ranks build the same data stream, then wrap the model
+            self.trainer = ClusterTrainer(self.cluster, self.model, cfg.train, self.data.next_batch, horizon)
+            self.replica = ClusterReplica(self.cluster, self.model, self.trainer, cfg.train.autocast)
+        else:
+            self.trainer = InnerTrainer(self.model, cfg.train, self.data.next_batch, horizon, self.device)
+            self.replica = Replica(self.model, self.trainer, cfg.train.autocast)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.data.tokens_per_batch * self.cfg.train.grad_accum
+
+    def step(self, schedule_step: int) -> tuple[float, int]:
+        """One inner step at position ``schedule_step`` of the lr schedule: (loss, tokens)."""
+        return self.trainer.step(schedule_step)
+
+    def evaluate(self) -> float:
+        return self.replica.evaluate(self.eval_set)
+
+    def model_state(self) -> dict:
+        return self.replica.model_state()
+
+    def optimizer_state(self) -> dict:
+        return self.replica.optimizer_state()
+
+    def data_state(self) -> dict:
+        return self.data.state_dict()
+
+    def restore(self, model_state: dict, optimizer_state: dict, data_state: dict) -> None:
+        """Continue from a checkpoint's model, inner optimizer and data cursor."""
+        self.data.load_state_dict(data_state)
+        self.replica.restore(model_state, optimizer_state, self.data)
+
+    def close(self) -> None:
+        if self.data is not None:
+            self.data.close()

@@ -1,0 +1,37 @@
+"""Round-boundary checkpoints of a simulated peer: a stop and a resume continue exactly (the file format, its
+atomic writes and its checks have their own tests in tests/unit/test_checkpoint.py; the real CLI's in
+tests/swarm/test_checkpoints.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.checkpoint import CheckpointStore
+from p2p_diloco.testing.harness import SimSwarm
+
+pytestmark = pytest.mark.unit
+
+
+def _lone(tmp_path, name, extra=(), resume=None):
+    with SimSwarm(["run.max_rounds=4", "data.seed=7", *extra]) as swarm:
+        peer = swarm.add(name=name, resume_from=resume)
+        if resume is None and extra:
+            swarm.when(peer, lambda e: e["event"] == "checkpoint_saved" and e["round"] == 2, peer.stop.set)
+        swarm.finish()
+        return peer
+
+
+def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path):
+    straight = _lone(tmp_path, "straight").summary()
+    ckpt = tmp_path / "ckpt"
+    first = _lone(tmp_path, "first", [f"checkpoint.dir={ckpt}"]).summary()
+    assert first["stopped_early"] and first["rounds_completed"] == 2
+    saved = CheckpointStore(ckpt).load()
+    assert saved.round == 2
+    resumed = _lone(tmp_path, "resumed", [f"checkpoint.dir={ckpt}", "checkpoint.resume=true"], resume=saved)
+    s = resumed.summary()
+    assert s["rounds_completed"] == straight["rounds_completed"] == 4
+    assert s["global_digest"] == straight["global_digest"], "resume did not continue exactly"
+    assert s["tokens_trained"] == straight["tokens_trained"]
+    assert [e["round"] for e in resumed.of("resumed")] == [2]
+    assert len(list(ckpt.glob("round-*.pt"))) == 3  # checkpoint.keep = 3

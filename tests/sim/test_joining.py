@@ -1,0 +1,105 @@
+"""Joining, restarting and lying, against the in-memory swarm: a late joiner, a peer restarted from its checkpoint
+behind the swarm, a donor serving a state that is not the majority's, a malicious contribution, a peer of another
+config."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from p2p_diloco.checkpoint import CheckpointStore
+from p2p_diloco.errors import ConfigMismatch
+from p2p_diloco.testing.harness import SimSwarm
+from tests.sim.helpers import assert_consistent, finals, one_digest
+
+pytestmark = pytest.mark.unit
+
+
+def test_late_joiner_reaches_the_swarm_digest():
+    with SimSwarm(["run.max_rounds=6"]) as swarm:
+        a, b = swarm.add(sets=["swarm.min_peers=2"]), swarm.add(sets=["swarm.min_peers=2"])
+        swarm.run_until(lambda: bool(a.of("outer_step", round=2)))
+        c = swarm.add()
+        swarm.finish()
+        one_digest([a, b, c])
+        assert c.of("state_loaded") and c.of("state_loaded")[0]["round"] >= 2
+        assert any(e["group_size"] == 3 for e in c.of("allreduce_done")), "the joiner never averaged"
+        assert_consistent(swarm)
+
+
+def test_restarted_peer_takes_the_swarm_state_when_the_swarm_is_ahead(tmp_path):
+    ckpt = tmp_path / "ckpt-b"
+    with SimSwarm(["run.max_rounds=20"]) as swarm:
+        a = swarm.add(sets=["swarm.min_peers=2"])
+        b = swarm.add(sets=["swarm.min_peers=2", f"checkpoint.dir={ckpt}"])
+        swarm.when(b, lambda e: e["event"] == "checkpoint_saved" and e["round"] == 1, lambda: swarm.net.kill(b.name))
+        swarm.run_until(lambda: bool(a.of("outer_step", round=3)))
+        saved = CheckpointStore(ckpt).load()
+        b2 = swarm.add(sets=[f"checkpoint.dir={ckpt}", "checkpoint.resume=true"], resume_from=saved, name="b2")
+        swarm.finish([a, b2])
+        resumed, loaded = b2.of("resumed"), b2.of("state_loaded")
+        assert resumed and resumed[0]["round"] == 1
+        assert loaded and loaded[0]["round"] >= 3 and loaded[0]["from_peer"] == a.name
+        assert b2.summary()["global_digest"] == a.summary()["global_digest"]
+
+
+class _LiarFirst(random.Random):
+    """Tries the lying donor first (donors are otherwise in random order)."""
+
+    def __init__(self, liar: str):
+        super().__init__(0)
+        self.liar = liar
+
+    def shuffle(self, x) -> None:
+        x.sort(key=lambda pid: pid != self.liar)
+
+
+def test_joiner_detects_a_lying_donor_and_uses_another():
+    with SimSwarm(["run.max_rounds=8"]) as swarm:
+        honest, liar = swarm.add(sets=["swarm.min_peers=2"]), swarm.add(sets=["swarm.min_peers=2"])
+        swarm.net.lie(liar.name)
+        swarm.run_until(lambda: bool(honest.of("outer_step", round=2)))
+        joiner = swarm.add()
+        joiner.peer.ctx.rng = _LiarFirst(liar.name)
+        swarm.finish()
+        failed = joiner.of("state_download_failed", from_peer=liar.name)
+        assert failed and "majority" in failed[0]["reason"], joiner.events
+        loaded = joiner.of("state_loaded")
+        assert loaded and loaded[0]["from_peer"] == honest.name
+        one_digest([honest, liar, joiner])
+
+
+@pytest.mark.parametrize("mode, aggregation", [("nan", "mean"), ("scale:1000", "mean"), ("random", "centered_clip")])
+def test_a_malicious_contribution_is_left_out_or_clipped(mode, aggregation):
+    """A 4-peer swarm whose 4th peer sends a corrupted pseudo-gradient every round: NaN and scaled ones are left out
+    (``contribution_excluded`` names it), random noise is clipped; every peer holds one digest per round, and the
+    honest peers' result is close to an honest-only run's."""
+    def run(attack: bool) -> tuple[list, dict]:
+        with SimSwarm(["run.max_rounds=4", "swarm.min_peers=4", f"outer.aggregation={aggregation}"]) as swarm:
+            peers = [swarm.add(sets=[f"data.seed={i}"]) for i in range(3)]
+            bad = ["data.seed=3"] + ([f"debug.corrupt_pseudo_gradient={mode}"] if attack else [])
+            peers.append(swarm.add(sets=bad))
+            swarm.finish()
+            assert_consistent(swarm)
+            return peers, finals(peers)
+
+    peers, attacked = run(True)
+    _, honest = run(False)
+    final = {s["eval_loss_last"] for s in attacked.values()}
+    assert len(final) == 1
+    assert abs(final.pop() - next(iter(honest.values()))["eval_loss_last"]) < 0.5
+    if mode != "random":
+        for p in peers[:3]:
+            excluded = p.of("contribution_excluded")
+            assert excluded and all(e["peer"] == peers[3].name for e in excluded)
+
+
+def test_a_peer_of_another_config_is_refused():
+    with SimSwarm(["run.max_rounds=3"]) as swarm:
+        a = swarm.add()
+        swarm.run_until(lambda: bool(a.of("round_start")))
+        other = swarm.add(sets=["model.num_layers=3"])
+        swarm.run_until(lambda: other.task.done())
+        with pytest.raises(ConfigMismatch, match="model.num_layers"):
+            other.summary()

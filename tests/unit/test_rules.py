@@ -1,0 +1,189 @@
+"""The round protocol's decisions (p2p_diloco/protocol/rules.py), case by case: each table row is a moment of a
+round, the records a peer sees, and the action it must take."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from p2p_diloco.protocol import rules
+from p2p_diloco.protocol.actions import (AllReduce, CatchUp, ConfirmAlone, Download, Leave, Repair, Solo, Start,
+                                         Stay, TrainAhead, Wait)
+from p2p_diloco.protocol.records import Phase, PeerRecord
+
+pytestmark = pytest.mark.unit
+T, S, J, D, R, L = Phase.TRAIN, Phase.SYNC, Phase.JOIN, Phase.DONE, Phase.REPAIR, Phase.LEFT
+
+
+def rec(round_: int, phase: Phase = T, digest: str = "good", **more) -> PeerRecord:
+    return PeerRecord(round=round_, phase=phase, digest=digest, **more)
+
+
+def sync_state(**changes) -> rules.SyncState:
+    base = dict(round=3, digest="good", straggler_deadline=100.0, last_group_size=3, alone_since=None,
+                confirm_for=7.0, overlap=False)
+    return rules.SyncState(**{**base, **changes})
+
+
+# (case, our state, the view, now) -> (action type, the fields it must have)
+SYNC_CASES = [
+    ("every round-mate is ready: the group is all of us",
+     sync_state(), {"a": rec(3, S), "b": rec(3, S)}, 1.0, AllReduce, {"group_size": 3, "all_in": True}),
+    ("a round-mate still training is waited for until the straggler deadline",
+     sync_state(), {"a": rec(3, S), "b": rec(3, T)}, 1.0, AllReduce,
+     {"group_size": 3, "all_in": False, "give_up_at": 100.0}),
+    ("after the deadline a training round-mate is left out",
+     sync_state(), {"a": rec(3, S), "b": rec(3, T)}, 101.0, AllReduce,
+     {"group_size": 2, "all_in": False, "give_up_at": None}),
+    ("peers of other rounds, joining or repairing are not round-mates",
+     sync_state(), {"a": rec(3, S), "j": rec(3, J), "r": rec(3, R, "bad"), "o": rec(2, T)}, 1.0, AllReduce,
+     {"group_size": 2}),
+    ("two synced peers ahead: we missed the round",
+     sync_state(), {"a": rec(4), "b": rec(4), "c": rec(3, S)}, 1.0, CatchUp, {}),
+    ("one peer ahead of two others (a liar?) is not followed",
+     sync_state(), {"a": rec(9), "b": rec(3, S), "c": rec(3, S)}, 1.0, AllReduce, {"group_size": 3}),
+    ("alone ahead of three synced peers: go back",
+     sync_state(round=5), {"a": rec(3), "b": rec(3), "c": rec(3)}, 1.0, CatchUp, {}),
+    ("the majority of our round holds another digest: repair from them",
+     sync_state(digest="bad"), {"a": rec(3, S), "b": rec(3, T)}, 1.0, Repair,
+     {"digest": "good", "donors": ("a", "b")}),
+    ("two peers disagree: the smaller digest wins, the other repairs",
+     sync_state(digest="bb"), {"a": rec(3, S, "aa")}, 1.0, Repair, {"digest": "aa"}),
+    ("two peers disagree, and we hold the smaller digest: no repair",
+     sync_state(digest="aa"), {"a": rec(3, S, "bb")}, 1.0, AllReduce, {"group_size": 2}),
+    ("nobody else, and we were alone last round: solo at once",
+     sync_state(last_group_size=1), {}, 1.0, Solo, {}),
+    ("nobody else, but we averaged last round: confirm first",
+     sync_state(), {}, 1.0, ConfirmAlone, {"restart": False}),
+    ("still nobody, confirmation under way",
+     sync_state(alone_since=1.0), {}, 5.0, ConfirmAlone, {"restart": False}),
+    ("nobody for a whole record lifetime: solo",
+     sync_state(alone_since=1.0), {}, 8.0, Solo, {}),
+    ("a round-mate's record came back while confirming: start over",
+     sync_state(alone_since=1.0, straggler_deadline=0.0), {"a": rec(3, T)}, 8.0, ConfirmAlone, {"restart": True}),
+    # Kept as it is (issue 17 changes it): a peer that was alone last round steps alone beside a round-mate that is
+    # still training once the straggler deadline has passed.
+    ("alone last round, a round-mate training past the deadline: solo (today's rule)",
+     sync_state(last_group_size=1, straggler_deadline=0.0), {"a": rec(3, T)}, 1.0, Solo, {}),
+    ("overlap: round-mates still training are waited for",
+     sync_state(overlap=True), {"a": rec(3, S), "b": rec(3, T)}, 1.0, Wait, {"seconds": rules.OVERLAP_POLL}),
+    ("overlap: everyone ready",
+     sync_state(overlap=True), {"a": rec(3, S), "b": rec(3, S)}, 1.0, AllReduce, {"group_size": 3}),
+    ("a client-mode round-mate is a member like any other",
+     sync_state(), {"a": rec(3, S, client=True)}, 1.0, AllReduce, {"group_size": 2}),
+]
+
+
+@pytest.mark.parametrize("case, state, view, now, kind, fields", SYNC_CASES, ids=[c[0] for c in SYNC_CASES])
+def test_decide_sync(case, state, view, now, kind, fields):
+    action = rules.decide_sync(state, view, now)
+    assert isinstance(action, kind), (case, action)
+    assert {k: getattr(action, k) for k in fields} == fields, (case, action)
+    assert action.reason
+
+
+JOIN = dict(inner_steps=100, overlap=False, waits_for_min_peers=False, finished=False, now=0.0, deadline=600.0)
+JOIN_CASES = [
+    ("an empty swarm: start at once", 0, {}, {}, Start, {"phase": T}),
+    ("the swarm is ahead: catch up", 2, {"a": rec(5), "b": rec(5)}, {}, CatchUp, {}),
+    ("the round has just begun: join it", 5, {"a": rec(5, T, inner_step=10)}, {}, Start, {"phase": T}),
+    ("the round is well under way: wait for its end", 5, {"a": rec(5, T, inner_step=60)}, {}, Wait, {}),
+    ("a peer of the round is syncing: wait", 5, {"a": rec(5, S)}, {}, Wait, {}),
+    ("the first round of a swarm that waited for its peers: start whatever the progress", 0,
+     {"a": rec(0, T, inner_step=90)}, {"waits_for_min_peers": True}, Start, {}),
+    ("at the deadline: start anyway", 5, {"a": rec(5, S)}, {"now": 600.0}, Start, {}),
+    ("the run is finished: nothing to wait for", 5, {"a": rec(5, S)}, {"finished": True}, Start, {}),
+    ("overlap: announced as join, syncing peers do not block the start", 5, {"a": rec(5, S, inner_step=5)},
+     {"overlap": True}, Start, {"phase": J}),
+]
+
+
+@pytest.mark.parametrize("case, round_, view, changes, kind, fields", JOIN_CASES, ids=[c[0] for c in JOIN_CASES])
+def test_decide_join(case, round_, view, changes, kind, fields):
+    action = rules.decide_join(round_, view, **{**JOIN, **changes})
+    assert isinstance(action, kind), (case, action)
+    assert {k: getattr(action, k) for k in fields} == fields, (case, action)
+
+
+CATCH_UP_CASES = [
+    ("nobody: stay", 3, {}, Stay, {}),
+    ("the swarm is in our round: stay", 3, {"a": rec(3), "b": rec(3)}, Stay, {}),
+    ("behind: the majority of the swarm's round, never a minority donor", 1,
+     {"a": rec(4, T, "x"), "b": rec(4, S, "x"), "c": rec(4, T, "y")}, Download,
+     {"target": 4, "digest": "x", "exact_round": False}),
+    ("client-mode peers vote but do not donate", 1, {"a": rec(4, T, "x", client=True), "b": rec(4, T, "x")},
+     Download, {"donors": ("b",)}),
+    ("repairing and joining peers neither vote nor donate", 1,
+     {"a": rec(4, R, "y"), "b": rec(4, J, "y"), "c": rec(4, T, "x")}, Download, {"digest": "x", "donors": ("c",)}),
+    ("alone ahead of three: back to their round exactly", 6, {"a": rec(4), "b": rec(4), "c": rec(4)}, Download,
+     {"target": 4, "exact_round": True}),
+]
+
+
+@pytest.mark.parametrize("case, round_, view, kind, fields", CATCH_UP_CASES, ids=[c[0] for c in CATCH_UP_CASES])
+def test_decide_catch_up(case, round_, view, kind, fields):
+    action = rules.decide_catch_up(round_, view, random.Random(0))
+    assert isinstance(action, kind), (case, action)
+    assert {k: getattr(action, k) for k in fields} == fields, (case, action)
+
+
+def test_donors_come_in_random_order_so_the_load_spreads():
+    view = {p: rec(4) for p in "abcdef"}
+    orders = {rules.decide_catch_up(0, view, random.Random(seed)).donors for seed in range(10)}
+    assert len(orders) > 1 and all(sorted(o) == list("abcdef") for o in orders)
+
+
+@pytest.mark.parametrize("case, view, min_peers, now, kind", [
+    ("alone and asked for one peer", {}, 1, 0.0, Start),
+    ("two of three ready: wait", {"a": rec(0, J, ready=True), "b": rec(0, J)}, 3, 0.0, Wait),
+    ("three of three ready", {"a": rec(0, J, ready=True), "b": rec(0, J, ready=True)}, 3, 0.0, Start),
+    ("the deadline: start with who is there", {}, 3, 120.0, Start),
+])
+def test_decide_first_round(case, view, min_peers, now, kind):
+    assert isinstance(rules.decide_first_round(view, min_peers, now, 120.0, 0.25), kind), case
+
+
+@pytest.mark.parametrize("case, view, now, kind", [
+    ("the swarm holds the next round: take it", {"a": rec(4), "b": rec(4)}, 0.0, CatchUp),
+    ("the round is still running: wait", {"a": rec(3, S)}, 0.0, Wait),
+    ("nobody of the round is left: stop waiting", {"a": rec(3, R)}, 0.0, Stay),
+    ("the deadline", {"a": rec(3, S)}, 600.0, Stay),
+])
+def test_decide_round_end(case, view, now, kind):
+    assert isinstance(rules.decide_round_end(3, view, now, 600.0, 1.0), kind), case
+
+
+@pytest.mark.parametrize("case, view, now, kind", [
+    ("nobody behind: leave", {"a": rec(5, D)}, 0.0, Leave),
+    ("a peer still training an earlier round: stay a donor", {"a": rec(4, T)}, 0.0, Wait),
+    ("a joiner still loading: stay", {"a": rec(0, J)}, 0.0, Wait),
+    ("a repairing peer is not waited for", {"a": rec(4, R)}, 0.0, Leave),
+    ("the deadline", {"a": rec(4, T)}, 60.0, Leave),
+])
+def test_decide_linger(case, view, now, kind):
+    assert isinstance(rules.decide_linger(5, view, now, 60.0, 1.0), kind), case
+
+
+def test_decide_overlap_entry():
+    assert isinstance(rules.decide_overlap_entry(3, {"a": rec(3, S)}), TrainAhead)
+    assert isinstance(rules.decide_overlap_entry(3, {"a": rec(3, T), "b": rec(2, S)}), Start)
+
+
+@pytest.mark.parametrize("case, got, view, exact, want", [
+    ("the round asked for", 4, {}, False, (4, "m", None)),
+    ("moved on, vouched for by the others", 5, {"d": rec(5, T, "x"), "a": rec(5, T, "y"), "b": rec(5, T, "y")},
+     False, (5, "y", None)),
+    ("moved on, and nobody else holds that round", 5, {"d": rec(5, T, "x"), "a": rec(4, T, "m")}, False,
+     (5, None, "no other peer vouches for its round 5")),
+    ("moved on, and it is the only synced peer: its own record", 5, {"d": rec(5, T, "x")}, False, (5, "x", None)),
+    ("going back needs exactly the round", 5, {}, True, (4, "m", None)),
+])
+def test_donation_target(case, got, view, exact, want):
+    assert rules.donation_target(4, "m", got, "d", lambda: view, exact) == want, case
+
+
+def test_group_mismatch():
+    assert rules.group_mismatch(3, "x", {"a": {"round": 3, "digest": "x"}}) is None
+    assert rules.group_mismatch(3, "x", {"a": {"round": 3, "digest": "y"}}) == {"a": "y"}
+    assert rules.group_mismatch(3, "x", {"a": {"round": 2, "digest": "x"}}) == {}
