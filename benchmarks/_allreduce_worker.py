@@ -1,8 +1,9 @@
-"""Workers of ``benchmarks/allreduce.py``: one process per peer, driven by the parent over stdin/stdout.
+"""Workers of ``benchmarks.allreduce``: one process per peer, driven by the parent over stdin/stdout.
 
-The parent starts one worker per peer (``allreduce.py --worker ...``) and sends it one JSON command per line; the
-worker answers every command with one JSON line on stdout (``{"event": <command>, "ok": ..., ...}``) and, when it
-exits, prints one last line ``{"event": "timings", "timings": [...]}`` with every timing it measured. Commands:
+The parent starts one worker per peer (``python -m benchmarks.allreduce --worker ...``) and sends it one JSON
+command per line; the worker answers every command with one JSON line on stdout (``{"event": <command>, "ok": ...,
+...}``) and, when it exits, prints one last line ``{"event": "timings", "timings": [...]}`` with every timing it
+measured. Commands:
 
 * ``gloo``: rendezvous (not timed), one warm-up all-reduce, a barrier, then ``repeats`` timed all-reduces.
 * ``dht``: start this peer's ``hivemind.DHT`` (joining ``initial_peers``); answers its visible maddrs.
@@ -11,9 +12,10 @@ exits, prints one last line ``{"event": "timings", "timings": [...]}`` with ever
   start one averaging step and time it (see :func:`timed_step`).
 * ``close``: shut the averager down. ``exit``: shut everything down and leave.
 
-The parent's side is :class:`Peer`, :func:`call_all` and the process clean-up (:func:`killpg`, :func:`sweep`).
-Heavy imports (torch, hivemind,
-p2p_diloco) happen inside the worker's functions, so the parent that imports this module never loads them.
+The parent's side is :class:`Peer` (a :class:`~p2p_diloco.runtime.peer_process.PeerProcess`: own session, stderr to
+a log, the whole process group killed at the end), :func:`call_all` and the sweep of processes that left their group
+(:func:`sweep`). Heavy imports (torch, hivemind, the training code) happen inside the worker's functions, so the
+parent that imports this module never loads them.
 """
 
 from __future__ import annotations
@@ -21,20 +23,21 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
 import socket
-import subprocess
 import sys
-import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from p2p_diloco.runtime.peer_process import PeerProcess
 
 SPLIT = (0.5, 0.25, 0.15, 0.10)  # share of the payload in each tensor (a model has a few tensors of unequal size)
 STEP_TIMEOUT = 60.0  # matchmaking timeout given to averager.step
 STEP_DEADLINE = 150.0  # the worker gives up on a step after this long (the parent waits 180 s)
 POLL_S = 0.001
 TAG_VAR = "P2P_DILOCO_ALLREDUCE_BENCH"  # inherited by every process we start: the orphan sweep finds them by it
+REPO = Path(__file__).resolve().parent.parent
 
 
 def make_tensors(rank: int, mb: float, seed: int) -> list:
@@ -101,38 +104,45 @@ def timed_step(averager, step_kwargs: dict) -> dict:
     return {"total_s": t_end - t_call, "data_s": data_s if began else None, "result": result}
 
 
-class Peer:
-    """One worker process and the JSON lines it prints."""
+class Peer(PeerProcess):
+    """One worker process (``python -m benchmarks.allreduce --worker ...``, in its own session) and the JSON lines
+    it prints.
 
-    def __init__(self, rank: int, cmd: list[str], env: dict, log: Path):
-        self.rank, self.log, self.lines = rank, log, queue.Queue()
-        with open(log, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         env=env, start_new_session=True, cwd=Path(__file__).resolve().parent.parent)
-        threading.Thread(target=self._read, daemon=True).start()
+    Args:
+        rank: the worker's rank.
+        args: the worker's arguments (``--worker RANK ...``).
+        env: variables added to the environment (the sweep's tag).
+        log: the worker's stderr.
+        prefix: a command that execs the worker, e.g. ``py-spy record ... --``.
+    """
 
-    def _read(self) -> None:
-        """Reader thread: queue the worker's JSON lines, then ``None`` at EOF."""
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                self.lines.put(json.loads(line))
-        self.lines.put(None)  # EOF
+    def __init__(self, rank: int, args: list[str], env: dict, log: Path, prefix: Sequence[str] = ()):
+        self.rank, self.log, self.messages = rank, log, queue.Queue()
+        super().__init__(args, module="benchmarks.allreduce", prefix=prefix, env=env, cwd=REPO, stderr=log,
+                         stdin=True)
+
+    def on_line(self, line: str) -> None:
+        """Reader thread: queue the worker's JSON lines."""
+        if line.startswith("{"):
+            self.messages.put(json.loads(line))
+
+    def on_eof(self) -> None:
+        self.messages.put(None)
 
     def send(self, **command) -> None:
         """Write one command line to the worker's stdin."""
-        self.proc.stdin.write(json.dumps(command) + "\n")
-        self.proc.stdin.flush()
+        self.write_line(json.dumps(command))
 
     def expect(self, event: str, timeout: float) -> dict:
         """The next line of type ``event`` (raises if the worker exits or is silent for ``timeout`` s)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                msg = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                msg = self.messages.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 raise TimeoutError(f"worker {self.rank}: no {event!r} in {timeout:.0f} s (log: {self.log})") from None
             if msg is None:
-                raise RuntimeError(f"worker {self.rank} exited (rc={self.proc.wait()}); log: {self.log}")
+                raise RuntimeError(f"worker {self.rank} exited (rc={self.wait()}); log: {self.log}")
             if msg.get("event") == event:
                 return msg
 
@@ -153,14 +163,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def killpg(pgid: int) -> None:
-    """SIGKILL a whole process group, ignoring one that is gone."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def sweep(tag: str) -> list[str]:

@@ -36,9 +36,9 @@ py-spy record --subprocesses --rate 200 --format raw`` (``--profile-format flame
 summarises the raw stacks of its averager process: blocking waits (py-spy's idle filter misses them here), the
 uvloop run loop (C), and the top python functions of the rest. ``--profile-native`` adds ``--native`` (C frames;
 it slows the averager about 2x). p2pd (Go) is invisible to py-spy: see the ``p2pd %`` column. By hand:
-``py-spy record -o prof.svg --subprocesses --rate 200 -- .venv/bin/python benchmarks/allreduce.py --worker 1 ...``.
+``py-spy record -o prof.svg --subprocesses --rate 200 -- .venv/bin/python -m benchmarks.allreduce --worker 1 ...``.
 
-Usage: ``python benchmarks/allreduce.py [--quick] [--peers 2 4 8] [--mb 40] [--repeats 3] [--profile]``.
+Usage: ``python -m benchmarks.allreduce [--quick] [--peers 2 4 8] [--mb 40] [--repeats 3] [--profile]``.
 ``--quick``: N in {2, 4}, 2 repeats, all methods and codecs. The last line is ``ratio_vs_gloo_n4_fp32=<x>``
 (ours:none/tcp data s / gloo s at N=4, i.e. our default fp32 sync path; ``nan``, with the reason on the line
 before, if N=4 was not measured).
@@ -57,13 +57,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-try:
-    from ._allreduce_worker import TAG_VAR, Peer, call_all, free_port, killpg, sweep, main as worker_main
-except ImportError:  # run as a script: benchmarks/ is sys.path[0]
-    from _allreduce_worker import TAG_VAR, Peer, call_all, free_port, killpg, sweep, main as worker_main
+from benchmarks._allreduce_worker import REPO, TAG_VAR, Peer, call_all, free_port, sweep, main as worker_main
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4")
-REPO = Path(__file__).resolve().parent.parent
 PY_SPY = REPO / ".venv" / "bin" / "py-spy"
 
 
@@ -103,13 +99,14 @@ def start_peers(opts: Options, n: int, env: dict) -> list[Peer]:
     """Start N workers; with ``--profile`` rank 1 runs under py-spy."""
     peers = []
     for rank in range(n):
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(rank), "--peers", str(n),
-               "--mb", str(opts.mb), "--seed", str(opts.seed)] + ([] if opts.verify else ["--no-verify"])
+        args = ["--worker", str(rank), "--peers", str(n), "--mb", str(opts.mb), "--seed", str(opts.seed)] + (
+            [] if opts.verify else ["--no-verify"])
+        prefix = []
         if opts.profile and rank == 1:
             ext = {"raw": "txt", "flamegraph": "svg", "speedscope": "json"}[opts.profile]
-            cmd = [str(PY_SPY), "record", "-o", str(opts.out_dir / f"profile_n{n}_rank1.{ext}"), "--format",
-                   opts.profile, "--subprocesses", "--rate", "200"] + ["--native"] * opts.native + ["--"] + cmd
-        peers.append(Peer(rank, cmd, env, opts.out_dir / f"worker_n{n}_rank{rank}.log"))
+            prefix = [str(PY_SPY), "record", "-o", str(opts.out_dir / f"profile_n{n}_rank1.{ext}"), "--format",
+                      opts.profile, "--subprocesses", "--rate", "200"] + ["--native"] * opts.native + ["--"]
+        peers.append(Peer(rank, args, env, opts.out_dir / f"worker_n{n}_rank{rank}.log", prefix))
     return peers
 
 
@@ -187,11 +184,11 @@ def run_swarm(opts: Options, n: int, env: dict, roles: dict) -> list[Row]:
         timings = [p.expect("timings", 60) for p in peers]
         (opts.out_dir / f"timings_n{n}.json").write_text(json.dumps(timings))
         for p in peers:
-            p.proc.wait(timeout=60)  # lets py-spy write its profile
+            p.wait(timeout=60)  # lets py-spy write its profile
         return rows
     finally:
         for p in peers:
-            killpg(p.proc.pid)
+            p.kill_group()
 
 
 def fmt(x: float | None, spec: str = ".3f") -> str:
@@ -309,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         worker_main(args.worker, args.peers[0], args.mb, args.seed, not args.no_verify)
         return 0
     tag = f"{os.getpid()}-{time.time():.0f}"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{TAG_VAR: tag})
+    env = {TAG_VAR: tag}  # added to the workers' environment
     print(f"payload {opts.mb:g} MB fp32/peer; N={opts.peers}; {opts.repeats} repeats; logs in {opts.out_dir}",
           flush=True)
     t0, rows, roles = time.monotonic(), [], {}

@@ -9,21 +9,19 @@ to show what the defence is for.
 
 Last line: ``loss_over_honest=<the largest ratio over the defended arms>``.
 
-Usage: ``python benchmarks/attacks.py`` (10 arms, ~1 min each on 2 cores); ``--quick`` runs 4 of them.
+Usage: ``python -m benchmarks.attacks`` (10 arms, ~1 min each on 2 cores); ``--quick`` runs 4 of them.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from p2p_diloco.cli.launcher import parse_join_line
 from p2p_diloco.metrics import read_events
+from p2p_diloco.metrics.events import Event
+from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError, stop_all
 
 # (name, corruption of peer 3 or "", --set items for every peer)
 ARMS = [("honest / mean", "", []),
@@ -41,20 +39,22 @@ COMMON = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000", "--set",
           "--set", "swarm.request_timeout=2.0", "--set", "train.threads=1", "--set", "swarm.min_peers=4"]
 
 
-def _start(args: list[str], log: Path) -> tuple[subprocess.Popen, threading.Event, list]:
-    proc = subprocess.Popen([sys.executable, "-m", "p2p_diloco", "join", *args], stdout=subprocess.PIPE,
-                            stderr=open(log, "w"), text=True, start_new_session=True)
-    joined, maddrs = threading.Event(), []
-
-    def read() -> None:
-        for line in proc.stdout:
-            parsed = parse_join_line(line)
-            if parsed and not joined.is_set():
-                maddrs.extend(parsed[0])
-                joined.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    return proc, joined, maddrs
+def _run_peers(procs: list[PeerProcess], index: int, corruption: str, run: list[str], out: Path) -> None:
+    """Start the arm's four peers (``procs`` gets each as it starts) and wait until they all exit 0."""
+    maddrs = None
+    for i in range(4):
+        extra = ["--data-seed", str(i)] + (["--debug-corrupt-pseudo-gradient", corruption] if corruption and i == 3
+                                           else [])
+        procs.append(PeerProcess(["join", *run, *extra, *(["--initial-peers", *maddrs] if maddrs else [])],
+                                 stderr=out / f"arm{index}-p{i}.log"))
+        try:
+            procs[-1].wait_joined(120)
+        except PeerStartError:
+            raise SystemExit(f"arm {index}: peer {i} did not start; see {out}") from None
+        maddrs = maddrs or list(procs[-1].maddrs)
+    for i, proc in enumerate(procs):
+        if proc.wait(timeout=1800) != 0:
+            raise SystemExit(f"arm {index}: peer {i} failed; see {out / f'arm{index}-p{i}.log'}")
 
 
 def run_arm(index: int, corruption: str, sets: list[str], args: argparse.Namespace, out: Path) -> dict:
@@ -64,24 +64,16 @@ def run_arm(index: int, corruption: str, sets: list[str], args: argparse.Namespa
            str(args.h), "--log-dir", str(log_dir), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *COMMON]
     for item in sets:
         run += ["--set", item]
-    procs, maddrs = [], None
-    for i in range(4):
-        extra = ["--data-seed", str(i)] + (["--debug-corrupt-pseudo-gradient", corruption] if corruption and i == 3
-                                           else [])
-        proc, joined, addrs = _start([*run, *extra, *(["--initial-peers", *maddrs] if maddrs else [])],
-                                     out / f"arm{index}-p{i}.log")
-        if not joined.wait(120):
-            raise SystemExit(f"arm {index}: peer {i} did not start; see {out}")
-        maddrs = maddrs or list(addrs)
-        procs.append(proc)
-    for i, proc in enumerate(procs):
-        if proc.wait(timeout=1800) != 0:
-            raise SystemExit(f"arm {index}: peer {i} failed; see {out / f'arm{index}-p{i}.log'}")
+    procs: list[PeerProcess] = []
+    try:
+        _run_peers(procs, index, corruption, run, out)
+    finally:
+        stop_all(procs, grace=30)
     finals, excluded = set(), 0
     for events_file in log_dir.glob("*/events.jsonl"):
         events = read_events(events_file)
-        finals.add(max((e["round"], e["loss"]) for e in events if e["event"] == "eval")[1])
-        excluded += sum(e["event"] == "contribution_excluded" for e in events)
+        finals.add(max((e["round"], e["loss"]) for e in events if e["event"] == Event.EVAL)[1])
+        excluded += sum(e["event"] == Event.CONTRIBUTION_EXCLUDED for e in events)
     if len(finals) != 1:
         raise SystemExit(f"arm {index}: peers ended with different eval losses {finals}")
     return {"loss": finals.pop(), "excluded": excluded}

@@ -13,7 +13,7 @@ Method:
    ``--curve`` it also prints every run's eval loss after each round (read from a peer's ``events.jsonl``; all
    peers hold the same global weights), to see whether a gap between runs opens or closes over a longer run.
 
-Usage: ``python benchmarks/codecs.py [--rounds 3] [--skip-swarm] [--runs none none+overlap] [--curve]``. Takes
+Usage: ``python -m benchmarks.codecs [--rounds 3] [--skip-swarm] [--runs none none+overlap] [--curve]``. Takes
 ~1 min per codec on 2 cores at 5 rounds.
 """
 
@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import run_swarm
 from p2p_diloco.outer import optimizer as outer
 from p2p_diloco.outer.codecs import CODECS, get_codec
 from p2p_diloco.config import Config
 from p2p_diloco.training.data import PackedStream
 from p2p_diloco.training.inner import InnerTrainer
 from p2p_diloco.metrics import read_events
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.training.model import build_model
 from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 
@@ -71,7 +71,7 @@ def reconstruction_table() -> None:
 def eval_curve(log_dir: Path) -> dict[int, float]:
     """``{round: eval loss}`` from the first peer's event log under ``log_dir``."""
     for events in sorted(log_dir.glob("*/events.jsonl")):
-        return {e["round"]: e["loss"] for e in read_events(events) if e.get("event") == "eval"}
+        return {e["round"]: e["loss"] for e in read_events(events) if e.get("event") == Event.EVAL}
     return {}
 
 
@@ -79,12 +79,12 @@ def _swarm_run(tmp: Path, codec: str, overlap: bool, rounds: int) -> str:
     """One ``p2p-diloco swarm --peers 3`` run; the table row (or FAILED)."""
     name = f"{codec}{'+overlap' if overlap else ''}"
     summary = tmp / f"{name}.json"
-    cmd = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", "3", "--max-rounds", str(rounds),
-           "--run-id", f"codec-{codec}-{int(overlap)}", "--data-seed", "1", "--set", f"outer.compression={codec}",
+    cmd = ["--peers", "3", "--max-rounds", str(rounds), "--run-id", f"codec-{codec}-{int(overlap)}",
+           "--data-seed", "1", "--set", f"outer.compression={codec}",
            "--set", f"outer.overlap={str(overlap).lower()}", "--summary-json", str(summary),
            "--log-dir", str(tmp / name)]
     t0 = time.monotonic()
-    rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900).returncode
+    rc = run_swarm(cmd, tmp / f"{name}.log", timeout=900)
     wall = time.monotonic() - t0
     if rc != 0 or not summary.exists():
         return f"{name:<13} FAILED (exit {rc})"

@@ -24,7 +24,7 @@ H is the closer setting (every arm is in the table).
 Bytes: DiLoCo's are measured (``bytes_sent`` of each peer's summary). Data parallel's are *computed*, not measured:
 a ring all-reduce of the fp32 gradients every step sends 2(N-1)/N x 4 bytes x parameters per worker.
 
-Usage: ``python benchmarks/convergence.py --quick [--plot docs/convergence.png]`` (under 15 minutes on 2 cores:
+Usage: ``python -m benchmarks.convergence --quick [--plot docs/convergence.png]`` (under 15 minutes on 2 cores:
 the default tiny model, T = 600, H in {20, 100}); without ``--quick``: T = 2000 and ``--set`` for a bigger model.
 """
 
@@ -34,7 +34,6 @@ import argparse
 import json
 import math
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,10 +42,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import run_swarm
 from p2p_diloco.config import Config, load_config
 from p2p_diloco.training.data import PackedStream, eval_batches
 from p2p_diloco.training.inner import evaluate, lr_at
 from p2p_diloco.metrics import read_events
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.training.model import build_model, count_parameters
 from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 
@@ -110,15 +111,13 @@ def swarm_arm(name: str, cfg: Config, sets: list[str], peers: int, steps: int, h
     log_dir = out / name
     summary = out / f"{name}.json"
     run_id = re.sub(r"[^A-Za-z0-9_-]", "_", f"convergence-{name}-{int(time.time())}")  # run ids: no dots
-    cmd = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", str(peers), "--max-rounds", str(rounds),
-           "--inner-steps", str(h), "--run-id", run_id,
+    cmd = ["--peers", str(peers), "--max-rounds", str(rounds), "--inner-steps", str(h), "--run-id", run_id,
            "--data-seed", str(DATA_SEED), "--log-dir", str(log_dir), "--summary-json", str(summary),
            "--set", f"train.total_steps={rounds * h}"]
     for item in sets:
         cmd += ["--set", item]
     t0 = time.monotonic()
-    with open(out / f"{name}.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=3600).returncode
+    rc = run_swarm(cmd, out / f"{name}.log", timeout=3600)
     arm = Arm(name, wall_s=time.monotonic() - t0)
     if rc != 0 or not summary.exists():
         arm.note = f"FAILED (exit {rc}, log {out / f'{name}.log'})"
@@ -129,7 +128,7 @@ def swarm_arm(name: str, cfg: Config, sets: list[str], peers: int, steps: int, h
         arm.note = "digests differ"
     tokens_per_round = peers * h * cfg.data.batch_size * cfg.data.seq_len
     events = sorted(log_dir.glob("*/events.jsonl"))[0]
-    evals = {e["round"]: e["loss"] for e in read_events(events) if e.get("event") == "eval"}
+    evals = {e["round"]: e["loss"] for e in read_events(events) if e.get("event") == Event.EVAL}
     arm.curve = [(r * tokens_per_round, loss) for r, loss in sorted(evals.items())]
     return arm
 

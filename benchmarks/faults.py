@@ -26,32 +26,31 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-from p2p_diloco.cli.launcher import parse_join_line
-from p2p_diloco.metrics import read_events
+from p2p_diloco.metrics.events import Event
+from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
 
 FAST = ["--set", "eval.batches=2", "--set", "data.max_bytes=1500000", "--set", "swarm.matchmaking_time=5.0",
         "--set", "swarm.request_timeout=2.0", "--set", "train.threads=1", "--set", "swarm.allreduce_timeout=20",
         "--set", "swarm.next_chunk_timeout=5"]
 TAG_VAR = "P2P_DILOCO_BENCH_TAG"  # set in every process we start (inherited by DHT, averager, p2pd): orphan sweep
-PHASES = {"round_start": "train", "inner_progress": "train", "allreduce_start": "matchmaking",
-          "allreduce_running": "all-reduce", "allreduce_failed": "all-reduce retry", "allreduce_done": "outer step",
-          "state_download_start": "state download", "state_loaded": "catch-up", "desync_detected": "repair",
-          "outer_step": "boundary", "checkpoint_saved": "boundary", "eval": "boundary"}
+PHASES = {Event.ROUND_START: "train", Event.INNER_PROGRESS: "train", Event.ALLREDUCE_START: "matchmaking",
+          Event.ALLREDUCE_RUNNING: "all-reduce", Event.ALLREDUCE_FAILED: "all-reduce retry",
+          Event.ALLREDUCE_DONE: "outer step", Event.STATE_DOWNLOAD_START: "state download",
+          Event.STATE_LOADED: "catch-up", Event.DESYNC_DETECTED: "repair", Event.OUTER_STEP: "boundary",
+          Event.CHECKPOINT_SAVED: "boundary", Event.EVAL: "boundary"}
 
 
 @dataclass
@@ -59,38 +58,25 @@ class Life:
     """One process (incarnation) of a peer slot, and its fault if it was killed (or crashed)."""
 
     slot: int
-    proc: subprocess.Popen
+    proc: PeerProcess
     t_start: float
     summary: Path
-    maddrs: list[str] = field(default_factory=list)
     killed_at: float | None = None
     phase: str = ""  # what the peer was doing when killed, from its last event
     restart_at: float | None = None  # time.monotonic()
     successor: Life | None = None
 
     @property
-    def peer_id(self) -> str | None:
-        return self.maddrs[0].rsplit("/p2p/", 1)[-1] if self.maddrs else None
+    def maddrs(self) -> list[str]:
+        """The join line's multiaddrs (empty until it is printed)."""
+        return self.proc.maddrs
 
-    def read_stdout(self, joined: threading.Event) -> None:
-        """Collect the join line (runs in a thread until the process closes stdout)."""
-        for line in self.proc.stdout:
-            parsed = parse_join_line(line)
-            if parsed and not self.maddrs:
-                self.maddrs = parsed[0]
-                joined.set()
-        joined.set()
+    @property
+    def peer_id(self) -> str | None:
+        return self.proc.peer_id
 
     def alive(self) -> bool:
         return self.killed_at is None and self.proc.poll() is None
-
-
-def killpg(pid: int) -> None:
-    """SIGKILL a whole process group, ignoring one that is already gone."""
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class Bench:
@@ -113,7 +99,7 @@ class Bench:
     def say(self, text: str) -> None:
         print(f"[{time.time() - self.t0:7.1f}s] {text}", flush=True)
 
-    def spawn(self, slot: int, initial: list[str], resume: bool, min_peers: int = 1) -> threading.Event:
+    def spawn(self, slot: int, initial: list[str], resume: bool, min_peers: int = 1) -> Life:
         """Start one ``join`` process for ``slot`` in its own process group (command + stderr to a file).
 
         Args:
@@ -123,37 +109,32 @@ class Bench:
             min_peers: ``swarm.min_peers`` (only the initial peers wait for each other).
 
         Returns:
-            Set once the process printed its join line (or exited).
+            The new process's :class:`Life` (also ``self.current[slot]``).
         """
         n = sum(life.slot == slot for life in self.lives)
         summary, err_path = self.work / f"peer{slot}.{n}.summary.json", self.work / f"peer{slot}.{n}.stderr.log"
-        cmd = [sys.executable, "-m", "p2p_diloco", "join", "--run-id", self.run_id, "--log-dir", str(self.logs),
+        cmd = ["join", "--run-id", self.run_id, "--log-dir", str(self.logs),
                "--max-rounds", str(self.args.rounds), "--inner-steps", str(self.args.inner_steps),
                "--summary-json", str(summary), "--checkpoint-dir", str(self.work / f"ckpt{slot}"), *FAST,
                "--set", f"swarm.min_peers={min_peers}"] + (["--resume"] if resume else [])
         cmd += ["--initial-peers", *initial] if initial else []
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{TAG_VAR: self.tag})
-        env.pop("P2P_DILOCO_INITIAL_PEERS", None)
-        with open(err_path, "w") as err:
-            err.write(" ".join(cmd) + "\n")
-            err.flush()
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True,
-                                    env=env, start_new_session=True)
-        life, joined = Life(slot, proc, time.time(), summary), threading.Event()
+        proc = PeerProcess(cmd, env={TAG_VAR: self.tag, "P2P_DILOCO_INITIAL_PEERS": None}, stderr=err_path,
+                           log_command=True)
+        life = Life(slot, proc, time.time(), summary)
         self.lives.append(life)
         self.current[slot] = life
-        threading.Thread(target=life.read_stdout, args=(joined,), daemon=True).start()
-        return joined
+        return life
 
     def events(self, life: Life | None = None) -> dict[str, list[dict]]:
         """Events of every peer process that printed its join line (or of ``life`` only), by peer id."""
-        return {x.peer_id: read_events(self.logs / x.peer_id / "events.jsonl")
-                for x in ([life] if life else self.lives) if x.peer_id}
+        return {x.peer_id: x.proc.events(self.logs) for x in ([life] if life else self.lives) if x.peer_id}
 
     def start(self) -> None:
         """Start peer 0, then the others bootstrapping from it; all wait for each other before round 1."""
-        if not self.spawn(0, [], False, self.args.peers).wait(120) or not self.lives[0].maddrs:
-            raise RuntimeError(f"peer0 did not start; see {self.work / 'peer0.0.stderr.log'}")
+        try:
+            self.spawn(0, [], False, self.args.peers).proc.wait_joined(120)
+        except PeerStartError:
+            raise RuntimeError(f"peer0 did not start; see {self.work / 'peer0.0.stderr.log'}") from None
         for slot in range(1, self.args.peers):
             self.spawn(slot, self.lives[0].maddrs, False, self.args.peers)
         self.say(f"started {self.args.peers} peers; work dir {self.work}")
@@ -161,10 +142,10 @@ class Bench:
     def kill(self, life: Life) -> None:
         """SIGKILL the victim's process group, note the phase its last event shows, and schedule its restart."""
         last = (self.events(life).get(life.peer_id) or [{"event": "startup"}])[-1]
-        killpg(life.proc.pid)
+        life.proc.kill_group()
         life.killed_at, life.restart_at = time.time(), time.monotonic() + self.rng.uniform(2.0, 8.0)
         life.phase = PHASES.get(last["event"], f"after {last['event']}")
-        life.phase += f" step {last['inner_step']}" if last["event"] == "inner_progress" else ""
+        life.phase += f" step {last['inner_step']}" if last["event"] == Event.INNER_PROGRESS else ""
         life.phase += f" of round {last['round']}" if "round" in last else ""
         self.say(f"KILL peer{life.slot} ({(life.peer_id or '?')[-8:]}) in {life.phase}; "
                  f"restart in {life.restart_at - time.monotonic():.1f}s")
@@ -175,7 +156,7 @@ class Bench:
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline and life.alive():
             last = (self.events(life).get(life.peer_id) or [{"event": ""}])[-1]
-            if last["event"] == ("allreduce_running" if running else "allreduce_start"):
+            if last["event"] == (Event.ALLREDUCE_RUNNING if running else Event.ALLREDUCE_START):
                 time.sleep(self.rng.uniform(0.0, 0.2 if running else 1.0))
                 break
             self.tick(0.1)
@@ -239,7 +220,7 @@ class Bench:
         """Kill every process group we started, then (after a grace for torch_shm_manager, which runs in its own
         session and deletes the shared-memory files once its clients are gone) anything still carrying our tag."""
         for life in self.lives:
-            killpg(life.proc.pid)
+            life.proc.kill_group()
             try:
                 life.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -266,7 +247,7 @@ def _tagged(proc: psutil.Process, tag: str) -> bool:
 def round_times(evs: dict[str, list[dict]]) -> dict[int, float]:
     """Swarm round -> time of its first ``outer_step`` on any peer."""
     out: dict[int, float] = {}
-    for e in (e for lst in evs.values() for e in lst if e["event"] == "outer_step"):
+    for e in (e for lst in evs.values() for e in lst if e["event"] == Event.OUTER_STEP):
         out[e["round"]] = min(out.get(e["round"], e["t"]), e["t"])
     return out
 
@@ -292,13 +273,13 @@ def account(evs: dict[str, list[dict]], killed: set[str], partial: bool) -> tupl
     for pid, lst in evs.items():
         segs = []  # one per round_start: [round, last inner_progress, outer_step.inner_steps, how it ended]
         for e in lst:
-            if e["event"] == "round_start":
+            if e["event"] == Event.ROUND_START:
                 segs.append([e["round"], 0, None, "killed" if pid in killed else "no outer step"])
-            elif segs and e["round"] == segs[-1][0] and e["event"] == "inner_progress":
+            elif segs and e["round"] == segs[-1][0] and e["event"] == Event.INNER_PROGRESS:
                 segs[-1][1] = max(segs[-1][1], e["inner_step"])
-            elif segs and e["round"] == segs[-1][0] and e["event"] == "outer_step":
+            elif segs and e["round"] == segs[-1][0] and e["event"] == Event.OUTER_STEP:
                 segs[-1][2] = e["inner_steps"]
-            elif segs and e["event"] in ("state_loaded", "desync_detected"):
+            elif segs and e["event"] in (Event.STATE_LOADED, Event.DESYNC_DETECTED):
                 segs[-1][3] = e["event"]
         if partial and segs and segs[-1][2] is None and segs[-1][3] == "no outer step":
             segs.pop()
@@ -316,10 +297,10 @@ def report_faults(bench: Bench, evs: dict[str, list[dict]]) -> list[list[float]]
     print("\nfaults:")
     for i, f in enumerate(bench.faults, 1):
         later = [e["t"] for pid, lst in evs.items() if pid != f.peer_id for e in lst
-                 if e["event"] == "outer_step" and e["t"] > f.killed_at]
+                 if e["event"] == Event.OUTER_STEP and e["t"] > f.killed_at]
         new = evs.get(f.successor.peer_id, []) if f.successor and f.successor.peer_id else []
-        back = [e["t"] - f.successor.t_start for e in new if e["event"] in ("outer_step", "state_loaded")]
-        steps = [e["t"] - f.successor.t_start for e in new if e["event"] == "outer_step"]
+        back = [e["t"] - f.successor.t_start for e in new if e["event"] in (Event.OUTER_STEP, Event.STATE_LOADED)]
+        steps = [e["t"] - f.successor.t_start for e in new if e["event"] == Event.OUTER_STEP]
         times = [min(later) - f.killed_at if later else None, back[0] if back else None, steps[0] if steps else None]
         for lst, t in zip(rec, times):
             lst += [t] if t is not None else []
@@ -335,12 +316,12 @@ def report_rounds(bench: Bench, evs: dict[str, list[dict]]) -> None:
     print("rounds:")
     for r in sorted(done):
         pick = [e for lst in evs.values() for e in lst if e["round"] == r]
-        digests = {e["digest"] for e in pick if e["event"] == "outer_step"}
-        sizes = sorted(e.get("group_size") for e in pick if e["event"] == "allreduce_done")
+        digests = {e["digest"] for e in pick if e["event"] == Event.OUTER_STEP}
+        sizes = sorted(e.get("group_size") for e in pick if e["event"] == Event.ALLREDUCE_DONE)
         kills = sum(prev < f.killed_at <= done[r] for f in bench.faults)
         print(f"  round {r:>3}: done at +{done[r] - bench.t0:6.1f}s (took {done[r] - prev:5.1f}s), kills {kills}, "
-              f"groups {sizes}, failed all-reduces {sum(e['event'] == 'allreduce_failed' for e in pick)}, state "
-              f"loads {sum(e['event'] == 'state_loaded' for e in pick)}, "
+              f"groups {sizes}, failed all-reduces {sum(e['event'] == Event.ALLREDUCE_FAILED for e in pick)}, "
+              f"state loads {sum(e['event'] == Event.STATE_LOADED for e in pick)}, "
               f"{'one digest' if len(digests) == 1 else f'FORK: {len(digests)} digests'}")
         if r > 1:
             took[kills > 0].append(done[r] - prev)

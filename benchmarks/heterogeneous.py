@@ -18,20 +18,21 @@ Per mode it reports:
 
 Last line: ``idle_fraction_swarm_target=<the largest idle fraction of any peer under swarm_target>``.
 
-Usage: ``python benchmarks/heterogeneous.py --quick`` (3 peers, one slowed by 0.2 s a step, H = 50, 6 rounds).
+Usage: ``python -m benchmarks.heterogeneous --quick`` (3 peers, one slowed by 0.2 s a step, H = 50, 6 rounds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import run_swarm
 from p2p_diloco.metrics import read_events
+from p2p_diloco.metrics.events import Event
 
 
 # name -> --set items. "fixed_steps_no_wait" is fixed_steps where the fast peers wait about 2 s for a straggler
@@ -47,14 +48,13 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
     """One ``p2p-diloco swarm`` run; returns the per-peer figures."""
     delays = [0.0] * (args.peers - args.slow) + [args.delay] * args.slow
     log_dir, summary = out / mode, out / f"{mode}.json"
-    cmd = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", str(args.peers), "--max-rounds", str(args.rounds),
-           "--inner-steps", str(args.h), "--run-id", f"hetero-{mode.replace('_', '-')}-{int(time.time())}",
-           "--data-seed", "1", "--log-dir", str(log_dir), "--summary-json", str(summary),
+    cmd = ["--peers", str(args.peers), "--max-rounds", str(args.rounds), "--inner-steps", str(args.h),
+           "--run-id", f"hetero-{mode.replace('_', '-')}-{int(time.time())}", "--data-seed", "1",
+           "--log-dir", str(log_dir), "--summary-json", str(summary),
            "--set", f"train.total_steps={args.rounds * args.h}", "--debug-step-delay", *map(str, delays)]
     for item in MODES[mode]:
         cmd += ["--set", item]
-    with open(out / f"{mode}.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=3600).returncode
+    rc = run_swarm(cmd, out / f"{mode}.log", timeout=3600)
     if rc != 0 or not summary.exists():
         raise SystemExit(f"{mode}: swarm failed (exit {rc}); see {out / f'{mode}.log'}")
     result = json.loads(summary.read_text())
@@ -64,14 +64,15 @@ def run_mode(mode: str, args: argparse.Namespace, out: Path) -> dict:
         peers.append({"index": index, "delay": delays[index], "tokens": peer["tokens_trained"],
                       "rounds_participated": peer["rounds_participated"],
                       "eval_loss": peer["eval_loss_last"], "events": events})
-    starts = [e["t"] for p in peers for e in p["events"] if e["event"] == "round_start"]
-    ends = [e["t"] for p in peers for e in p["events"] if e["event"] == "outer_step"]
+    starts = [e["t"] for p in peers for e in p["events"] if e["event"] == Event.ROUND_START]
+    ends = [e["t"] for p in peers for e in p["events"] if e["event"] == Event.OUTER_STEP]
     wall = max(ends) - min(starts)
     for p in peers:
-        done = {e["round"]: e["t"] for e in p["events"] if e["event"] == "inner_done"}
-        waits = [e["t"] - done[e["round"]] for e in p["events"] if e["event"] == "allreduce_done" and e["round"] in done]
+        done = {e["round"]: e["t"] for e in p["events"] if e["event"] == Event.INNER_DONE}
+        waits = [e["t"] - done[e["round"]] for e in p["events"]
+                 if e["event"] == Event.ALLREDUCE_DONE and e["round"] in done]
         p["idle_fraction"] = sum(waits) / wall
-        p["steps"] = [e["inner_steps"] for e in p["events"] if e["event"] == "inner_done"]
+        p["steps"] = [e["inner_steps"] for e in p["events"] if e["event"] == Event.INNER_DONE]
         del p["events"]
     return {"mode": mode, "wall_s": wall, "digests_equal": result["all_digests_equal"], "peers": peers}
 

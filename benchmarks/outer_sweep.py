@@ -10,7 +10,7 @@ butterfly all-reduce, so losses agree with ``convergence.py``'s swarm arms up to
 
 Usage::
 
-    python benchmarks/outer_sweep.py --steps 600 --h 20 100 --outer 0.7:0.9 1.0:0 [--set data.batch_size=32]
+    python -m benchmarks.outer_sweep --steps 600 --h 20 100 --outer 0.7:0.9 1.0:0 [--set data.batch_size=32]
 
 ``--outer LR:MOMENTUM`` (Nesterov whenever momentum > 0). ``--ref`` adds the single-worker and N x batch data
 parallel arms of ``convergence.py``. One line per run: ``sweep h=<H> outer=<lr>:<m> final=<loss> curve=...``.
@@ -22,19 +22,16 @@ import argparse
 import copy
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from convergence import DATA_SEED, local_arm  # noqa: E402
-
-from p2p_diloco.outer import optimizer as outer  # noqa: E402
-from p2p_diloco.config import Config, load_config  # noqa: E402
-from p2p_diloco.training.data import PackedStream, eval_batches  # noqa: E402
-from p2p_diloco.training.inner import InnerTrainer, evaluate  # noqa: E402
-from p2p_diloco.training.model import build_model, count_parameters  # noqa: E402
-from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size  # noqa: E402
+from benchmarks.convergence import DATA_SEED, local_arm
+from p2p_diloco.outer import optimizer as outer
+from p2p_diloco.config import Config, load_config
+from p2p_diloco.training.data import PackedStream, eval_batches
+from p2p_diloco.training.inner import InnerTrainer, evaluate
+from p2p_diloco.training.model import build_model, count_parameters
+from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 
 CPU = torch.device("cpu")
 

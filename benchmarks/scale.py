@@ -15,14 +15,12 @@ Three measurements, then arithmetic (docs/scale.md shows a run of it):
 Then, for N = 4 peers of K = 8 ranks: memory per GPU and per host, bytes sent per peer per round (butterfly:
 2(N-1)/N x payload) and the transfer time at 100 Mbit/s, 1 Gbit/s and 10 Gbit/s.
 
-Last line: ``bytes_per_param_peer=<slope of 2.>``. Usage: ``python benchmarks/scale.py`` (about 3 minutes on 2 cores).
+Last line: ``bytes_per_param_peer=<slope of 2.>``. Usage: ``python -m benchmarks.scale`` (about 3 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmarks.common import swarm_process
 from p2p_diloco.outer import optimizer as outer
 from p2p_diloco.outer.codecs import CODECS, get_codec
 from p2p_diloco.config import load_config
@@ -92,12 +91,11 @@ def codec_ns_per_value(n: int) -> dict[str, float]:
 
 def peak_pss_per_peer(size: str, peers: int, tmp: Path) -> tuple[int, float]:
     """(parameters, peak summed PSS of the whole swarm / peers) of a short real run."""
-    cmd = [sys.executable, "-m", "p2p_diloco", "swarm", "--peers", str(peers), "--max-rounds", "2", "--inner-steps",
-           "5", "--run-id", f"scale-{size}-{int(time.time())}", "--data-seed", "1"]
+    cmd = ["--peers", str(peers), "--max-rounds", "2", "--inner-steps", "5", "--run-id",
+           f"scale-{size}-{int(time.time())}", "--data-seed", "1"]
     for item in [*SIZES[size], *COMMON]:
         cmd += ["--set", item]
-    with open(tmp / f"{size}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    with swarm_process(cmd, tmp / f"{size}.log") as proc:
         root, peak = psutil.Process(proc.pid), 0
         while proc.poll() is None:
             total = 0

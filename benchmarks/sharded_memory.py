@@ -10,15 +10,12 @@ In ``rank0`` mode rank 0 holds theta, the momentum, the pseudo-gradient and the 
 model; in ``sharded`` mode (``outer.shards = 2``) each rank holds them for its half. The figures to look at are
 rank 0's slope in each mode, and the two ranks' slopes in sharded mode.
 
-Last line: ``rank0_slope_ratio_sharded_over_rank0=<x>``. Usage: ``python benchmarks/sharded_memory.py`` (about 6
+Last line: ``rank0_slope_ratio_sharded_over_rank0=<x>``. Usage: ``python -m benchmarks.sharded_memory`` (about 6
 minutes on 2 cores).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -26,13 +23,11 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale import COMMON, SIZES  # noqa: E402 (the same model and settings as benchmarks/scale.py)
-
-from p2p_diloco.config import load_config  # noqa: E402
-from p2p_diloco.cli.launcher import parse_join_line  # noqa: E402
-from p2p_diloco.training.model import build_model, count_parameters  # noqa: E402
-from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size  # noqa: E402
+from benchmarks.scale import COMMON, SIZES  # the same model and settings as benchmarks/scale.py
+from p2p_diloco.config import load_config
+from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError, stop_all
+from p2p_diloco.training.model import build_model, count_parameters
+from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 
 SETS = [*COMMON, "swarm.min_peers=2", "outer.shards=2"]
 
@@ -69,31 +64,28 @@ def _sample(agent: psutil.Process, peaks: dict[int, int], done: threading.Event)
 def run_mode(mode: str, size: str, tmp: Path, parallelism: str = "ddp") -> dict[int, int]:
     """Two 2-rank peers in ``mode`` with the ``size`` model; the peak PSS of each rank of peer 0."""
     run_id = f"shmem-{mode}-{size}-{int(time.time())}"
-    base = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-            "p2p_diloco", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, "--max-rounds", "2",
+    base = ["join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id, "--max-rounds", "2",
             "--inner-steps", "5", "--data-seed", "1"]
     for item in [*SIZES[size], *SETS, f"outer.sharding={mode}", f"train.parallelism={parallelism}"]:
         base += ["--set", item]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    first = subprocess.Popen(base, stdout=subprocess.PIPE, stderr=open(tmp / f"{mode}-0.log", "w"), text=True,
-                             env=env)
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    peers = [PeerProcess(base, python_args=torchrun, stderr=tmp / f"{mode}-0.log")]
     peaks: dict[int, int] = {}
     done = threading.Event()
-    sampler = threading.Thread(target=_sample, args=(psutil.Process(first.pid), peaks, done), daemon=True)
+    sampler = threading.Thread(target=_sample, args=(psutil.Process(peers[0].pid), peaks, done), daemon=True)
     sampler.start()
-    maddrs = None
-    for line in first.stdout:
-        parsed = parse_join_line(line)
-        if parsed:
-            maddrs = parsed[0]
-            break
-    if maddrs is None:
-        raise SystemExit(f"{mode}: no join line; see {tmp / f'{mode}-0.log'}")
-    second = subprocess.Popen([*base, "--initial-peers", *maddrs], stdout=subprocess.DEVNULL,
-                              stderr=open(tmp / f"{mode}-1.log", "w"), env=env)
-    codes = (first.wait(600), second.wait(600))
-    done.set()
-    sampler.join()
+    try:
+        try:
+            peers[0].wait_joined(600)
+        except PeerStartError:
+            raise SystemExit(f"{mode}: no join line; see {tmp / f'{mode}-0.log'}") from None
+        peers.append(PeerProcess([*base, "--initial-peers", *peers[0].maddrs], python_args=torchrun,
+                                 stderr=tmp / f"{mode}-1.log"))
+        codes = tuple(p.wait(600) for p in peers)
+    finally:
+        done.set()
+        sampler.join()
+        stop_all(peers, grace=30)
     if codes != (0, 0):
         raise SystemExit(f"{mode}: peers exited with {codes}; see the logs in {tmp}")
     return peaks

@@ -16,7 +16,7 @@ to train), so ``steady`` also shows inner time / (first -> last ``round_start``)
 included), the inbound rate of the link, to check that the cap holds.
 Eval runs only after the last round (outside the window), so what is not inner time is sync and outer-step work.
 
-Usage (root: it creates namespaces): ``sudo .venv/bin/python benchmarks/utilization.py [--quick] [--rounds R]
+Usage (root: it creates namespaces): ``sudo .venv/bin/python -m benchmarks.utilization [--quick] [--rounds R]
 [--inner-steps H] [--rate 100mbit] [--codecs none,int8] [--modes blocking,overlap] [--json PATH]``. ``--quick``
 runs codecs none and int8 in both modes, 3 rounds (~3 min on 2 cores); the full run does every codec in both modes,
 5 rounds (~10 min). The last line is ``utilization_overlap=<x>``: the int8 overlapped row (or the best overlapped
@@ -35,13 +35,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.outer.codecs import CODECS
-from p2p_diloco.cli.launcher import PeerProc, stop_peers
-from p2p_diloco.metrics import read_events
+from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError, stop_all
 
 REPO = Path(__file__).resolve().parent.parent
 SUBNET = "10.77.0"
@@ -124,21 +123,15 @@ def rate_mbytes(rate: str) -> float:
 
 
 def spawn(net: Net, index: int, args: argparse.Namespace, sets: list[str], log_dir: Path,
-          initial: list[str]) -> PeerProc:
+          initial: list[str]) -> PeerProcess:
     """One ``join`` process in namespace ``index``, in its own process group (``ip netns exec`` execs it)."""
-    cmd = ["ip", "netns", "exec", net.ns[index], sys.executable, "-m", "p2p_diloco", "join",
-           "--host-maddrs", f"/ip4/{net.ip[index]}/tcp/0", "--run-id", f"util-{os.getpid()}",
+    cmd = ["join", "--host-maddrs", f"/ip4/{net.ip[index]}/tcp/0", "--run-id", f"util-{os.getpid()}",
            "--max-rounds", str(args.rounds), "--inner-steps", str(args.inner_steps), "--log-dir", str(log_dir),
            "--summary-json", str(log_dir / f"peer{index}.json"), *MODEL, *FAST, *sets]
     if initial:
         cmd += ["--initial-peers", *initial]
-    env = {k: v for k, v in os.environ.items() if k != "P2P_DILOCO_INITIAL_PEERS"}
-    with open(log_dir / f"peer{index}.stderr.log", "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                                env=dict(env, PYTHONUNBUFFERED="1"), stdin=subprocess.DEVNULL, cwd=REPO)
-    peer = PeerProc(index, proc, log_dir / f"peer{index}.json")
-    threading.Thread(target=peer.read_stdout, daemon=True).start()
-    return peer
+    return PeerProcess(cmd, prefix=["ip", "netns", "exec", net.ns[index]], env={"P2P_DILOCO_INITIAL_PEERS": None},
+                       cwd=REPO, stderr=log_dir / f"peer{index}.stderr.log")
 
 
 def last_error(log_dir: Path, index: int) -> str:
@@ -147,35 +140,37 @@ def last_error(log_dir: Path, index: int) -> str:
     return (errors or lines or ["(no stderr)"])[-1].strip()[:300]
 
 
-def run_peers(net: Net, args: argparse.Namespace, sets: list[str], log_dir: Path) -> list[PeerProc]:
+def run_peers(net: Net, args: argparse.Namespace, sets: list[str], log_dir: Path) -> list[PeerProcess]:
     """Start both peers, wait until they end (or the row times out), stop and sweep them whatever happens."""
-    peers: list[PeerProc] = []
+    peers: list[PeerProcess] = []
     timeout = 120 + args.rounds * (args.inner_steps * 1.5 + 60)
     try:
         peers.append(spawn(net, 0, args, sets, log_dir, []))
-        if not peers[0].started.wait(120) or not peers[0].maddrs:
-            raise RuntimeError(f"peer0 did not start: {last_error(log_dir, 0)}")
+        try:
+            peers[0].wait_joined(120)
+        except PeerStartError:
+            raise RuntimeError(f"peer0 did not start: {last_error(log_dir, 0)}") from None
         peers.append(spawn(net, 1, args, sets, log_dir, peers[0].maddrs))
         deadline = time.monotonic() + timeout
-        while any(p.proc.poll() is None for p in peers):
+        while any(p.poll() is None for p in peers):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"row did not finish within {timeout:.0f}s")
             time.sleep(0.5)
-        for p in peers:
-            if p.proc.returncode != 0:
-                raise RuntimeError(f"peer{p.index} exited {p.proc.returncode}: {last_error(log_dir, p.index)}")
+        for index, p in enumerate(peers):
+            if p.returncode != 0:
+                raise RuntimeError(f"peer{index} exited {p.returncode}: {last_error(log_dir, index)}")
         return peers
     finally:
-        stop_peers(peers, grace=20)
+        stop_all(peers, grace=20)
         net.kill_leftovers(wait=10)
 
 
 def peer_figures(events: list[dict], H: int) -> dict:
     """Utilisation and sync figures of one peer from its events (see the module docstring)."""
-    starts = {e["round"]: e["t"] for e in events if e["event"] == "round_start"}
-    ends = {e["round"]: e["t"] for e in events if e["event"] == "inner_progress" and e.get("inner_step") == H}
-    outer = [e for e in events if e["event"] == "outer_step"]
-    done = [e for e in events if e["event"] == "allreduce_done" and not e.get("lone")]
+    starts = {e["round"]: e["t"] for e in events if e["event"] == Event.ROUND_START}
+    ends = {e["round"]: e["t"] for e in events if e["event"] == Event.INNER_PROGRESS and e.get("inner_step") == H}
+    outer = [e for e in events if e["event"] == Event.OUTER_STEP]
+    done = [e for e in events if e["event"] == Event.ALLREDUCE_DONE and not e.get("lone")]
     if not starts or not outer:
         raise RuntimeError("no complete round in events.jsonl")
     t0, t1, t_last = min(starts.values()), max(e["t"] for e in outer), max(starts.values())
@@ -184,16 +179,16 @@ def peer_figures(events: list[dict], H: int) -> dict:
     running = {}
     transfer = 0.0
     for e in events:
-        if e["event"] == "allreduce_running":
+        if e["event"] == Event.ALLREDUCE_RUNNING:
             running[e["round"]] = e["t"]
-        elif e["event"] == "allreduce_done" and not e.get("lone") and e["round"] in running:
+        elif e["event"] == Event.ALLREDUCE_DONE and not e.get("lone") and e["round"] in running:
             transfer += e["t"] - running.pop(e["round"])
     received = sum(e["bytes_received"] for e in done)  # bytes_sent can miss a reply still draining (it is
     # counted after writer.drain() in fastpath.serve, and the stats may be read before that); received is exact
     return {"rounds": len(outer), "wall_s": t1 - t0, "inner_s": inner, "utilization": inner / (t1 - t0),
             "steady_utilization": steady / (t_last - t0) if t_last > t0 else None,
             "sync_s": sum(e["seconds"] for e in done), "syncs": len(done), "lone_steps": sum(
-                1 for e in events if e["event"] == "allreduce_done" and e.get("lone")),
+                1 for e in events if e["event"] == Event.ALLREDUCE_DONE and e.get("lone")),
             "bytes_received": received, "transfer_s": transfer,
             "mb_per_s": received / transfer / 1e6 if transfer else None}
 
@@ -207,7 +202,7 @@ def run_row(net: Net, args: argparse.Namespace, codec: str, mode: str, root: Pat
     t = time.monotonic()
     try:
         peers = run_peers(net, args, sets, log_dir)
-        figs = [peer_figures(read_events(log_dir / p.peer_id / "events.jsonl"), args.inner_steps) for p in peers]
+        figs = [peer_figures(p.events(log_dir), args.inner_steps) for p in peers]
     except Exception as e:  # a failed row is reported, the others still run
         return {**row, "error": str(e) if isinstance(e, RuntimeError) else repr(e), "log_dir": str(log_dir)}
     rates = [f["mb_per_s"] for f in figs if f["mb_per_s"]]

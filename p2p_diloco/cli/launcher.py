@@ -9,57 +9,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import write_json_atomic
-from ..metrics import read_events
-from ..runtime.processes import kill_group, wait_group_gone
+from .util import write_json_atomic
+from ..metrics.events import Event
+from ..runtime.peer_process import JOIN_LINE, PeerProcess, PeerStartError, parse_join_line, stop_all
 
-# A peer prints it with its run id; a bootstrap node (no run of its own) without.
-JOIN_LINE = re.compile(r"^p2p-diloco join --initial-peers (?P<maddrs>.+?)(?: --run-id (?P<run_id>\S+))?\s*$")
+__all__ = ["JOIN_LINE", "STARTUP_TIMEOUT", "STOP_GRACE", "cmd_swarm", "format_table", "parse_join_line",
+           "stop_peers"]
+
 STARTUP_TIMEOUT = 120.0
 STOP_GRACE = 40.0
 
 
-def parse_join_line(line: str) -> tuple[list[str], str | None] | None:
-    """``(maddrs, run_id)`` from the line a peer (or, with run_id None, a bootstrap node) prints on start, or None
-    if ``line`` is not one."""
-    m = JOIN_LINE.match(line.strip())
-    return (m.group("maddrs").split(), m.group("run_id")) if m else None
-
-
-@dataclass
-class PeerProc:
-    index: int
-    proc: subprocess.Popen
-    summary_path: Path
-    maddrs: list[str] = field(default_factory=list)
-    peer_id: str | None = None
-    started: threading.Event = field(default_factory=threading.Event)
-
-    def read_stdout(self) -> None:
-        for line in self.proc.stdout:
-            parsed = parse_join_line(line)
-            if parsed and not self.started.is_set():
-                self.maddrs = parsed[0]
-                self.peer_id = parsed[0][0].rsplit("/p2p/", 1)[-1]
-                self.started.set()
-        self.started.set()  # EOF: the process ended (maybe before printing its join line)
-
-
-def _join_command(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> list[str]:
+def _join_args(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // args.peers)
-    cmd = [sys.executable, "-m", "p2p_diloco", "join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
-           "--log-dir", str(log_dir), "--summary-json", str(log_dir / f"peer{index}.summary.json"),
+    cmd = ["join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+           "--log-dir", str(log_dir), "--summary-json", str(_summary_path(log_dir, index)),
            "--set", f"train.threads={threads}", "--set", f"swarm.min_peers={args.peers}"]
     if args.config:
         cmd += ["--config", args.config]
@@ -78,69 +49,50 @@ def _join_command(args: argparse.Namespace, index: int, log_dir: Path, initial: 
     return cmd
 
 
-def _spawn(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> PeerProc:
-    cmd = _join_command(args, index, log_dir, initial)
-    stderr = open(log_dir / f"peer{index}.stderr.log", "w")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True,
-                            env=env, stdin=subprocess.DEVNULL)
-    stderr.close()
-    peer = PeerProc(index, proc, log_dir / f"peer{index}.summary.json")
-    threading.Thread(target=peer.read_stdout, daemon=True).start()
-    return peer
+def _summary_path(log_dir: Path, index: int) -> Path:
+    return log_dir / f"peer{index}.summary.json"
 
 
-def _status_line(peer: PeerProc, log_dir: Path) -> str:
-    events = read_events(log_dir / peer.peer_id / "events.jsonl") if peer.peer_id else []
+def _spawn(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> PeerProcess:
+    return PeerProcess(_join_args(args, index, log_dir, initial), stderr=log_dir / f"peer{index}.stderr.log")
+
+
+def _status_line(index: int, peer: PeerProcess, log_dir: Path) -> str:
+    events = peer.events(log_dir)
     last = events[-1] if events else {}
-    evals = [e["loss"] for e in events if e.get("event") == "eval"]
+    evals = [e["loss"] for e in events if e.get("event") == Event.EVAL]
     loss = f"eval {evals[0]:.3f}->{evals[-1]:.3f}" if evals else "eval -"
-    state = "running" if peer.proc.poll() is None else f"exited {peer.proc.returncode}"
-    return (f"  peer{peer.index} {(peer.peer_id or '?')[-8:]:>8} round {last.get('round', 0):>3} "
+    state = "running" if peer.poll() is None else f"exited {peer.returncode}"
+    return (f"  peer{index} {(peer.peer_id or '?')[-8:]:>8} round {last.get('round', 0):>3} "
             f"{last.get('event', 'starting'):<16} {loss:<18} {state}")
 
 
-def stop_peers(peers: list[PeerProc], grace: float = STOP_GRACE) -> None:
-    """Ask every peer to stop (SIGTERM to its main process), then kill each whole process group."""
-    for p in peers:
-        if p.proc.poll() is None:
-            try:
-                p.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for p in peers:
-        try:
-            p.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in peers:
-        wait_group_gone(p.proc.pid, timeout=10)  # torch_shm_manager cleans /dev/shm after the main process exits
-        kill_group(p.proc.pid)  # leftovers of the group: DHT, averager, p2pd
-        try:
-            p.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        wait_group_gone(p.proc.pid, timeout=5)
+def stop_peers(peers: list[PeerProcess], grace: float = STOP_GRACE) -> None:
+    """Ask every peer to stop (SIGTERM to its main process), then kill each whole process group
+    (:func:`p2p_diloco.runtime.peer_process.stop_all`)."""
+    stop_all(peers, grace)
 
 
-def _start_all(args: argparse.Namespace, log_dir: Path) -> list[PeerProc]:
-    first = _spawn(args, 0, log_dir, [])
-    peers = [first]
-    if not first.started.wait(STARTUP_TIMEOUT) or not first.maddrs:
-        raise RuntimeError(f"peer0 did not start (see {log_dir / 'peer0.stderr.log'})")
-    peers += [_spawn(args, i, log_dir, first.maddrs) for i in range(1, args.peers)]
-    return peers
+def _start_all(args: argparse.Namespace, log_dir: Path, peers: list[PeerProcess]) -> None:
+    """Start peer 0, wait for its join line, then the others joining it; ``peers`` gets each one as it starts (so
+    that whatever was started is stopped, even if this is interrupted)."""
+    peers.append(_spawn(args, 0, log_dir, []))
+    try:
+        peers[0].wait_joined(STARTUP_TIMEOUT)
+    except PeerStartError:
+        raise RuntimeError(f"peer0 did not start (see {log_dir / 'peer0.stderr.log'})") from None
+    for i in range(1, args.peers):
+        peers.append(_spawn(args, i, log_dir, peers[0].maddrs))
 
 
-def _summaries(peers: list[PeerProc]) -> list[dict]:
+def _summaries(peers: list[PeerProcess], log_dir: Path) -> list[dict]:
     out = []
-    for p in peers:
+    for index, p in enumerate(peers):
         try:
-            s = json.loads(p.summary_path.read_text())
+            s = json.loads(_summary_path(log_dir, index).read_text())
         except (OSError, json.JSONDecodeError):
             s = {"peer_id": p.peer_id, "rounds_completed": None, "global_digest": None}
-        s["exit_code"] = p.proc.returncode
+        s["exit_code"] = p.returncode
         out.append(s)
     return out
 
@@ -175,7 +127,7 @@ def _interrupt_on(*signals: int) -> None:
 
 
 def cmd_swarm(args: argparse.Namespace) -> int:
-    from . import load_join_config
+    from .parser import load_join_config
 
     from ..errors import UsageError
 
@@ -188,17 +140,17 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="p2p-diloco-swarm-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"swarm of {args.peers} peers; logs in {log_dir}", flush=True)
-    peers: list[PeerProc] = []
+    peers: list[PeerProcess] = []
     interrupted = False
     _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
-        peers = _start_all(args, log_dir)
+        _start_all(args, log_dir, peers)
         print("  join this swarm with: " + " ".join(shlex.quote(a) for a in
               ["p2p-diloco", "join", "--initial-peers", *peers[0].maddrs]), flush=True)
         shown = ""
-        while any(p.proc.poll() is None for p in peers):
+        while any(p.poll() is None for p in peers):
             time.sleep(1.0)
-            status = "\n".join(_status_line(p, log_dir) for p in peers)
+            status = "\n".join(_status_line(i, p, log_dir) for i, p in enumerate(peers))
             if status != shown:
                 print(status, flush=True)
                 shown = status
@@ -209,7 +161,7 @@ def cmd_swarm(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
         stop_peers(peers)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    summaries = _summaries(peers)
+    summaries = _summaries(peers, log_dir)
     digests = {s.get("global_digest") for s in summaries}
     all_equal = len(digests) == 1 and None not in digests
     print(format_table(summaries))

@@ -1,17 +1,53 @@
-"""Checks of a whole :class:`~p2p_diloco.config.Config`: values that would only fail later, deep inside a run."""
+"""Checks of a whole :class:`~p2p_diloco.config.Config`: values that would only fail later, deep inside a run.
+
+Every check raises :class:`ConfigError` with one line that names the setting. The choices of ``Literal`` settings
+are checked generically (:func:`check_choices`); the other checks are grouped by theme.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-from ..outer.aggregation import METHODS, parse_corruption
-from ..outer.codecs import CODECS
-from . import Config
 from ..errors import ConfigError
+from .schema import Config, choices, field_types
 
 
 def validate(cfg: Config) -> None:
-    """Reject values that would only fail later, deep inside a run (:class:`ConfigError`, one line)."""
+    """Reject values that would only fail later, deep inside a run.
+
+    Args:
+        cfg: The configuration to check; it is not modified.
+
+    Raises:
+        ConfigError: The first bad value, on one line.
+    """
+    check_choices(cfg)
+    check_positive(cfg)
+    check_ranges(cfg)
+    check_swarm(cfg)
+    check_modes(cfg)
+    check_security(cfg)
+
+
+def one_of(allowed: tuple[str, ...]) -> str:
+    """``"a or b"`` for two choices, ``"one of a, b, c"`` for more (the wording of the messages tests match)."""
+    return " or ".join(allowed) if len(allowed) == 2 else "one of " + ", ".join(allowed)
+
+
+def check_choices(cfg: Config) -> None:
+    """Every ``Literal[...]`` setting holds one of its values, e.g. ``round.mode must be fixed_steps or swarm_target,
+    got 'fast'``."""
+    for section in dataclasses.fields(cfg):
+        obj = getattr(cfg, section.name)
+        for key, annotation in field_types(type(obj)).items():
+            allowed, value = choices(annotation), getattr(obj, key)
+            if allowed and value not in allowed:
+                raise ConfigError(f"{section.name}.{key} must be {one_of(allowed)}, got {value!r}")
+
+
+def check_positive(cfg: Config) -> None:
+    """Counts, sizes and timeouts that must be > 0 (or >= 1 / >= 0 where zero has a meaning)."""
     positive = {
         "train.inner_steps": cfg.train.inner_steps,
         "train.grad_accum": cfg.train.grad_accum,
@@ -38,61 +74,61 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"swarm.min_peers must be >= 1, got {cfg.swarm.min_peers}")
     if cfg.run.max_rounds < 0:
         raise ConfigError(f"run.max_rounds must be >= 0, got {cfg.run.max_rounds}")
+    if cfg.debug.step_delay < 0:
+        raise ConfigError(f"debug.step_delay must be >= 0, got {cfg.debug.step_delay}")
+
+
+def check_ranges(cfg: Config) -> None:
+    """The run id's characters, learning rates and fractions."""
     if not cfg.run.run_id or not all(c.isalnum() or c in "-_" for c in cfg.run.run_id):
         raise ConfigError(f"run.run_id must be non-empty letters, digits, '-' or '_', got {cfg.run.run_id!r}")
     if not 0.0 <= cfg.outer.momentum < 1.0:
         raise ConfigError(f"outer.momentum must be in [0, 1), got {cfg.outer.momentum}")
     if cfg.outer.lr <= 0 or cfg.train.lr <= 0:
         raise ConfigError("outer.lr and train.lr must be > 0")
-    if cfg.outer.compression not in CODECS:
-        raise ConfigError(f"outer.compression must be one of {', '.join(CODECS)}, got {cfg.outer.compression!r}")
-    if cfg.train.autocast not in ("auto", "bf16", "off"):
-        raise ConfigError(f"train.autocast must be auto, bf16 or off, got {cfg.train.autocast!r}")
-    if cfg.train.device not in ("cpu", "cuda", "auto"):
-        raise ConfigError(f"train.device must be cpu, cuda or auto, got {cfg.train.device!r}")
-    if cfg.data.streaming not in ("auto", "true", "false"):
-        raise ConfigError(f"data.streaming must be auto, true or false, got {cfg.data.streaming!r}")
     if not 0.0 <= cfg.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in [0, 1), got {cfg.data.eval_fraction}")
+
+
+def check_swarm(cfg: Config) -> None:
+    """Timeouts that only work in a given order, and ``--resume`` without a checkpoint directory."""
     if cfg.swarm.request_timeout >= cfg.swarm.matchmaking_time:
         raise ConfigError("swarm.request_timeout must be smaller than swarm.matchmaking_time")
     if cfg.swarm.peer_ttl <= cfg.swarm.heartbeat_period:
         raise ConfigError("swarm.peer_ttl must be larger than swarm.heartbeat_period")
-    if cfg.swarm.transport not in ("tcp", "p2p"):
-        raise ConfigError(f"swarm.transport must be tcp or p2p, got {cfg.swarm.transport!r}")
-    if cfg.swarm.deadlines not in ("adaptive", "fixed"):
-        raise ConfigError(f"swarm.deadlines must be adaptive or fixed, got {cfg.swarm.deadlines!r}")
     if cfg.checkpoint.resume and not cfg.checkpoint.dir:
         raise ConfigError("--resume needs --checkpoint-dir (checkpoint.dir)")
-    if cfg.train.parallelism not in ("ddp", "fsdp"):
-        raise ConfigError(f"train.parallelism must be ddp or fsdp, got {cfg.train.parallelism!r}")
-    if cfg.outer.sharding not in ("rank0", "sharded"):
-        raise ConfigError(f"outer.sharding must be rank0 or sharded, got {cfg.outer.sharding!r}")
+
+
+def check_modes(cfg: Config) -> None:
+    """Sharding and round modes, and the two combinations with ``outer.overlap`` that would need a design of their
+    own (not a restructuring): a sharded state's all-reduce is a collective of the peer's local ranks, which cannot
+    run in the background while the inner steps use the same ranks; and ``swarm_target`` progress records describe
+    the round being trained while the previous round's sync is still in flight."""
     if cfg.outer.shards < 1:
         raise ConfigError(f"outer.shards must be >= 1, got {cfg.outer.shards}")
     if cfg.outer.sharding == "sharded" and cfg.outer.overlap:
-        raise ConfigError("outer.sharding = sharded does not work with outer.overlap yet")
-    if cfg.round.mode not in ("fixed_steps", "swarm_target"):
-        raise ConfigError(f"round.mode must be fixed_steps or swarm_target, got {cfg.round.mode!r}")
+        raise ConfigError("outer.sharding = sharded does not work with outer.overlap (the shards' all-reduce is a "
+                          "collective of the local ranks: it cannot run behind their inner steps)")
     if cfg.round.target_tokens < 0 or cfg.round.progress_period <= 0:
         raise ConfigError("round.target_tokens must be >= 0 and round.progress_period > 0")
     if cfg.round.mode == "swarm_target" and cfg.outer.overlap:
-        raise ConfigError("round.mode = swarm_target does not work with outer.overlap yet")
-    if cfg.debug.step_delay < 0:
-        raise ConfigError(f"debug.step_delay must be >= 0, got {cfg.debug.step_delay}")
-    check_security(cfg)
+        raise ConfigError("round.mode = swarm_target does not work with outer.overlap (the progress records would "
+                          "mix the round in training with the one being averaged)")
 
 
 def check_security(cfg: Config) -> None:
-    """``outer.aggregation`` and its bounds, ``debug.corrupt_pseudo_gradient``."""
+    """``outer.norm_bound`` and ``outer.trim`` (the aggregation method is a choice), ``debug.corrupt_pseudo_gradient``."""
     o = cfg.outer
-    if o.aggregation not in METHODS:
-        raise ConfigError(f"outer.aggregation must be one of {', '.join(METHODS)}, got {o.aggregation!r}")
     if not (math.isfinite(o.norm_bound) and o.norm_bound >= 0) or (0 < o.norm_bound <= 1):
         raise ConfigError(f"outer.norm_bound must be 0 (off) or > 1, got {o.norm_bound}")
     if not 0.0 <= o.trim < 0.5:
         raise ConfigError(f"outer.trim must be in [0, 0.5), got {o.trim}")
     if cfg.debug.corrupt_pseudo_gradient:
+        # Imported here, only when the debug hook is set: outer.aggregation imports torch (~2 s), and reading a
+        # config must stay fast so that bad input fails within a tenth of a second.
+        from ..outer.aggregation import parse_corruption
+
         try:
             parse_corruption(cfg.debug.corrupt_pseudo_gradient)
         except ValueError as e:

@@ -13,6 +13,7 @@ own code got wrong must fail at the publisher, not make the peer silently invisi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Dict, List, Literal, Optional, Union
 
@@ -23,37 +24,23 @@ from hivemind.dht.validation import RecordValidatorBase
 from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictInt, StrictStr
 
 from ..errors import SwarmError
+from ..protocol.records import Phase, PeerRecord
 
 Count = pydantic.conint(strict=True, ge=0)
 Finite = pydantic.confloat(strict=True, allow_inf_nan=False)
 Rate = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
 Fingerprint = pydantic.constr(strict=True, regex=r"^[0-9a-f]{16}$")  # Config.fingerprint()
-Digest = pydantic.constr(strict=True, regex=r"^[0-9a-f]{0,64}$")  # sha256 hexdigest (outer.digest)
-Phase = Literal["join", "train", "sync", "repair", "done", "left"]
+Digest = pydantic.constr(strict=True, regex=r"^[0-9a-f]{0,64}$")  # sha256 hexdigest (outer.optimizer.digest)
+PhaseName = Literal[tuple(p.value for p in Phase)]  # type: ignore[valid-type]
 ConfigValue = Union[StrictBool, StrictInt, StrictFloat, StrictStr, List[StrictStr]]
 ConfigRecord = Dict[StrictStr, ConfigValue]  # Config.fingerprint_fields(): {"section.key": value}
+# The wire type of each kind of field of the typed record (PeerRecord's ``wire`` metadata): one definition of the
+# record's fields, in p2p_diloco/protocol/records.py, for the rules and for this schema.
+WIRE_TYPES = {"fingerprint": Fingerprint, "count": Count, "phase": PhaseName, "bool": StrictBool, "finite": Finite,
+              "rate": Rate, "digest": Digest, "str_list": List[StrictStr]}
 
 
-class LiveRecord(pydantic.BaseModel):
-    """A peer's live record (``{run_id}.live``). Every field is optional (a record is built up over time), but a
-    field that is present holds a value of its type: never ``None``."""
-
-    fp: Optional[Fingerprint] = None
-    round: Optional[Count] = None
-    phase: Optional[Phase] = None
-    client: Optional[StrictBool] = None
-    t: Optional[Finite] = None
-    ready: Optional[StrictBool] = None
-    digest: Optional[Digest] = None
-    inner_step: Optional[Count] = None
-    tokens: Optional[Count] = None
-    round_tokens: Optional[Count] = None
-    step_tokens: Optional[Count] = None
-    tokens_per_s: Optional[Rate] = None
-    eval_loss: Optional[Finite] = None
-    last_sync: Optional[Finite] = None
-    shard_peers: Optional[List[StrictStr]] = None
-
+class _LiveRecordBase(pydantic.BaseModel):
     class Config:
         extra = pydantic.Extra.forbid
 
@@ -68,6 +55,13 @@ class LiveRecord(pydantic.BaseModel):
         """Only the fields the record has: hivemind compares this to the raw record, which has no ``None``s."""
         kwargs["exclude_unset"] = True
         return super().dict(**kwargs)
+
+
+# A peer's live record (``{run_id}.live``): every field of :class:`PeerRecord` is optional (a record is built up
+# over time), but a field that is present holds a value of its wire type, never ``None``.
+_FIELDS = {f.name: WIRE_TYPES[f.metadata["wire"]] for f in dataclasses.fields(PeerRecord)}
+LiveRecord = pydantic.create_model("LiveRecord", __base__=_LiveRecordBase,
+                                   **{name: (Optional[kind], None) for name, kind in _FIELDS.items()})
 
 
 class _RunRecords(pydantic.BaseModel):

@@ -4,7 +4,7 @@ clock (:mod:`.sim`). A scenario of minutes of swarm time runs in well under a se
 
     with SimSwarm(["--max-rounds", "3"]) as swarm:     # CLI-style settings shared by every peer
         a, b = swarm.add(), swarm.add()
-        swarm.when(b, lambda e: e["event"] == "allreduce_running" and e["round"] == 2, lambda: swarm.net.kill(b.name))
+        swarm.when(b, lambda e: e["event"] == Event.ALLREDUCE_RUNNING and e["round"] == 2, lambda: swarm.net.kill(b.name))
         swarm.finish()
         assert a.summary()["rounds_completed"] == 3
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..config import Config, load_config
+from ..metrics.events import Event
 from ..peer import Peer
 from ..peer.build import build_state
 from ..peer.context import PeerContext
@@ -135,6 +136,6 @@ class SimSwarm:
         out: dict[int, set[str]] = {}
         for p in peers or self.peers:
             for e in p.events:
-                if e["event"] in ("outer_step", "state_loaded"):
+                if e["event"] in (Event.OUTER_STEP, Event.STATE_LOADED):
                     out.setdefault(e["round"], set()).add(e["digest"])
         return out

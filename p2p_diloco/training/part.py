@@ -4,6 +4,8 @@ it), the inner trainer and the replica (the local ranks of a cluster peer)."""
 
 from __future__ import annotations
 
+import torch
+
 from ..config import Config
 from ..local.cluster import ClusterReplica, ClusterTrainer
 from ..local.commands import INIT
@@ -25,7 +27,8 @@ class Training:
         self.cfg, self.cluster = cfg, cluster
         self.device = cluster.device if cluster else resolve_device(cfg.train.device)
         self.tokenizer = build_tokenizer(cfg.tokenizer)
-        self.model = build_model(cfg.model, vocab_size(self.tokenizer), cfg.run.seed).to(self.device)
+        self.model: torch.nn.Module | None = build_model(cfg.model, vocab_size(self.tokenizer),
+                                                         cfg.run.seed).to(self.device)
         self.params = list(self.model.parameters())
         self.eval_set = eval_batches(self.tokenizer, cfg.data, cfg.eval.batches)
         self.data_seed: int | None = None
@@ -73,5 +76,9 @@ class Training:
         self.replica.restore(model_state, optimizer_state, self.data)
 
     def close(self) -> None:
+        """Close the data stream and let go of the model and its trainer (a cluster peer's process group must not
+        outlive the interpreter in an FSDP model's device mesh: :meth:`Cluster.close`)."""
         if self.data is not None:
             self.data.close()
+        self.trainer = self.replica = self.model = None
+        self.params = []

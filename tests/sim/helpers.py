@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.testing.harness import SimPeer, SimSwarm
 
 
@@ -13,7 +14,7 @@ def assert_consistent(swarm: SimSwarm, peers: list[SimPeer] | None = None) -> No
 
 def assert_no_solo_steps(peers: list[SimPeer]) -> None:
     for p in peers:
-        lone = p.of("allreduce_done", lone=True)
+        lone = p.of(Event.ALLREDUCE_DONE, lone=True)
         assert not lone, f"{p.name} took a solo step while others were alive: {lone}"
 
 

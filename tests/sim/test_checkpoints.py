@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.checkpoint import CheckpointStore
 from p2p_diloco.testing.harness import SimSwarm
 
@@ -16,7 +17,7 @@ def _lone(tmp_path, name, extra=(), resume=None):
     with SimSwarm(["run.max_rounds=4", "data.seed=7", *extra]) as swarm:
         peer = swarm.add(name=name, resume_from=resume)
         if resume is None and extra:
-            swarm.when(peer, lambda e: e["event"] == "checkpoint_saved" and e["round"] == 2, peer.stop.set)
+            swarm.when(peer, lambda e: e["event"] == Event.CHECKPOINT_SAVED and e["round"] == 2, peer.stop.set)
         swarm.finish()
         return peer
 
@@ -33,5 +34,5 @@ def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path):
     assert s["rounds_completed"] == straight["rounds_completed"] == 4
     assert s["global_digest"] == straight["global_digest"], "resume did not continue exactly"
     assert s["tokens_trained"] == straight["tokens_trained"]
-    assert [e["round"] for e in resumed.of("resumed")] == [2]
+    assert [e["round"] for e in resumed.of(Event.RESUMED)] == [2]
     assert len(list(ckpt.glob("round-*.pt"))) == 3  # checkpoint.keep = 3

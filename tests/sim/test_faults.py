@@ -9,8 +9,8 @@ were alive."""
 from __future__ import annotations
 
 import pytest
-import torch
 
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.outer.optimizer import digest
 from p2p_diloco.testing.harness import SimSwarm
 from tests.sim.helpers import assert_consistent, assert_no_solo_steps, finals, one_digest
@@ -20,7 +20,7 @@ ALLREDUCE_TIMEOUT = 20.0  # the harness's swarm.allreduce_timeout
 
 
 def _running(round_):
-    return lambda e: e["event"] == "allreduce_running" and e["round"] == round_
+    return lambda e: e["event"] == Event.ALLREDUCE_RUNNING and e["round"] == round_
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
@@ -39,7 +39,7 @@ def test_peer_lost_mid_allreduce(fault):
 
         swarm.when(victim, _running(2), lambda: swarm.sim.call_at(swarm.sim.now + 0.5, strike))
         if fault == "freeze":  # wake it once every survivor holds theta(2)
-            swarm.run_until(lambda: all(p.of("outer_step", round=2) or [e for e in p.of("state_loaded")
+            swarm.run_until(lambda: all(p.of(Event.OUTER_STEP, round=2) or [e for e in p.of(Event.STATE_LOADED)
                                                                          if e["round"] >= 2] for p in rest))
             swarm.net.thaw(victim.name)
         swarm.finish(rest if fault == "kill" else None)
@@ -47,13 +47,13 @@ def test_peer_lost_mid_allreduce(fault):
         one_digest(finished)
         assert all(s["rounds_completed"] == 3 for s in finals(finished).values())
         if fault == "freeze":
-            assert victim.of("state_loaded")
+            assert victim.of(Event.STATE_LOADED)
         for p in rest:
-            failed = [e for e in p.of("allreduce_failed", round=2) if e["t"] - swarm.sim.epoch >= hit["t"]]
+            failed = [e for e in p.of(Event.ALLREDUCE_FAILED, round=2) if e["t"] - swarm.sim.epoch >= hit["t"]]
             assert failed, f"{p.name}: the fault did not break an all-reduce in flight"
             assert failed[0]["t"] - swarm.sim.epoch - hit["t"] < ALLREDUCE_TIMEOUT + 5
-            redo = p.of("allreduce_done", round=2)
-            took = [e for e in p.of("state_loaded") if e["round"] >= 2]
+            redo = p.of(Event.ALLREDUCE_DONE, round=2)
+            took = [e for e in p.of(Event.STATE_LOADED) if e["round"] >= 2]
             assert (redo and 2 <= redo[-1]["group_size"] <= 3) or took, (redo, took)
         assert_no_solo_steps(rest)
         assert_consistent(swarm, finished)
@@ -67,18 +67,18 @@ def test_deaths_in_matchmaking_and_training_then_lone_peer_then_rejoin():
         a, b, c = (swarm.add() for _ in range(3))
         for p in (a, c):  # a and c hold back 8 s: no group can form before b dies waiting in matchmaking
             swarm.net.hold(p.name, 0, 8.0)
-        swarm.when(b, lambda e: e["event"] == "allreduce_start" and e["round"] == 1, lambda: swarm.net.kill(b.name))
-        swarm.when(c, lambda e: e["event"] == "inner_progress" and e["round"] == 2, lambda: swarm.net.kill(c.name))
-        swarm.run_until(lambda: bool(a.of("allreduce_done", lone=True)))
+        swarm.when(b, lambda e: e["event"] == Event.ALLREDUCE_START and e["round"] == 1, lambda: swarm.net.kill(b.name))
+        swarm.when(c, lambda e: e["event"] == Event.INNER_PROGRESS and e["round"] == 2, lambda: swarm.net.kill(c.name))
+        swarm.run_until(lambda: bool(a.of(Event.ALLREDUCE_DONE, lone=True)))
         d = swarm.add(sets=["swarm.min_peers=1"])
         swarm.finish([a, d])
         sa, sd = a.summary(), d.summary()
         assert sa["rounds_completed"] == sd["rounds_completed"] == rounds
         assert sa["global_digest"] == sd["global_digest"]
-        assert a.of("allreduce_done", round=1)[-1]["group_size"] == 2  # b died in matchmaking: never a group of 3
-        assert any(e["group_size"] == 2 and e["round"] > 2 for e in a.of("allreduce_done")), \
+        assert a.of(Event.ALLREDUCE_DONE, round=1)[-1]["group_size"] == 2  # b died in matchmaking: never a group of 3
+        assert any(e["group_size"] == 2 and e["round"] > 2 for e in a.of(Event.ALLREDUCE_DONE)), \
             "the newcomer never averaged with the lone peer"
-        assert d.of("state_loaded")
+        assert d.of(Event.STATE_LOADED)
         assert_consistent(swarm, [a, d])
 
 
@@ -94,22 +94,22 @@ def test_corrupted_theta_is_repaired_within_one_round():
                 state.digest = digest(state.theta)
             corrupted.append(state.digest)
 
-        swarm.when(bad, lambda e: e["event"] == "outer_step" and e["round"] == 1, corrupt)
+        swarm.when(bad, lambda e: e["event"] == Event.OUTER_STEP and e["round"] == 1, corrupt)
         swarm.finish()
-        detected = bad.of("desync_detected")
+        detected = bad.of(Event.DESYNC_DETECTED)
         assert detected and detected[0]["round"] == 2 and detected[0]["ours"] == corrupted[0]
-        good = {e["digest"] for p in (good1, good2) for e in p.of("outer_step", round=2)}
+        good = {e["digest"] for p in (good1, good2) for e in p.of(Event.OUTER_STEP, round=2)}
         assert len(good) == 1
-        repaired = bad.of("state_loaded", round=2)
+        repaired = bad.of(Event.STATE_LOADED, round=2)
         assert repaired and repaired[-1]["digest"] in good, "not repaired by the end of round 2"
-        assert not good1.of("desync_detected") and not good2.of("desync_detected")
+        assert not good1.of(Event.DESYNC_DETECTED) and not good2.of(Event.DESYNC_DETECTED)
         one_digest([good1, good2, bad])
 
 
 def test_joiner_moves_to_another_donor_when_one_dies_mid_transfer():
     with SimSwarm(["run.max_rounds=20", "swarm.min_peers=2"], download_seconds=3.0) as swarm:
         a, b = swarm.add(), swarm.add()
-        swarm.run_until(lambda: bool(a.of("outer_step")))
+        swarm.run_until(lambda: bool(a.of(Event.OUTER_STEP)))
         c = swarm.add(sets=["swarm.min_peers=1"])
         killed = {}
 
@@ -118,15 +118,14 @@ def test_joiner_moves_to_another_donor_when_one_dies_mid_transfer():
             killed["peer"] = donor
             swarm.sim.call_at(swarm.sim.now + 1.0, lambda: swarm.net.kill(donor.name))
 
-        swarm.when(c, lambda e: e["event"] == "state_download_start", lambda: kill_donor(c.of("state_download_start")[0]))
-        donor = None
+        swarm.when(c, lambda e: e["event"] == Event.STATE_DOWNLOAD_START, lambda: kill_donor(c.of(Event.STATE_DOWNLOAD_START)[0]))
         swarm.run_until(lambda: "peer" in killed)
         donor = killed["peer"]
         other = b if donor is a else a
         swarm.finish([other, c])
-        failed = c.of("state_download_failed", from_peer=donor.name)
+        failed = c.of(Event.STATE_DOWNLOAD_FAILED, from_peer=donor.name)
         assert failed, "the killed donor's transfer did not fail"
-        loaded = c.of("state_loaded")
+        loaded = c.of(Event.STATE_LOADED)
         assert loaded and loaded[0]["from_peer"] == other.name
         one_digest([other, c])
 
@@ -156,26 +155,42 @@ def test_joiner_arriving_mid_allreduce_starts_at_the_next_boundary():
     takes the swarm's theta, and averages with everyone from the next round it can start on time."""
     with SimSwarm(["run.max_rounds=4", "swarm.min_peers=2", "train.inner_steps=60"], transfer_seconds=15.0) as swarm:
         a, b = swarm.add(), swarm.add()
-        swarm.run_until(lambda: bool(a.of("allreduce_running", round=1)))
+        swarm.run_until(lambda: bool(a.of(Event.ALLREDUCE_RUNNING, round=1)))
         c = swarm.add(sets=["swarm.min_peers=1"])
         swarm.finish()
-        loaded = c.of("state_loaded")
+        loaded = c.of(Event.STATE_LOADED)
         assert loaded and loaded[0]["round"] >= 1, loaded
-        first = min(e["round"] for e in c.of("round_start"))
+        first = min(e["round"] for e in c.of(Event.ROUND_START))
         assert first in (2, 3), f"joined the round in flight or far too late (first round {first})"
         for p in (a, b, c):
-            done = {e["round"]: e["group_size"] for e in p.of("allreduce_done")}
+            done = {e["round"]: e["group_size"] for e in p.of(Event.ALLREDUCE_DONE)}
             assert all(done.get(r) == 3 for r in range(first, 5)), (p.name, first, done)
         one_digest([a, b, c])
+
+
+def test_a_round_mate_gone_for_less_than_the_confirmation_is_not_stepped_past():
+    """Two peers average round 1; then b freezes for 14 s in its inner steps: its record expires (6 s) while a's
+    first all-reduce attempt waits for it (10 s). a, alone in the records, must then confirm for a record lifetime
+    (7 s) before a solo step, and b is back before that: round 2 is averaged as a pair, nobody steps alone."""
+    with SimSwarm(["run.max_rounds=3", "swarm.min_peers=2"]) as swarm:
+        a, b = swarm.add(), swarm.add()
+
+        def freeze():
+            swarm.net.freeze(b.name)
+            swarm.sim.call_at(swarm.sim.now + 14.0, lambda: swarm.net.thaw(b.name))
+
+        swarm.when(b, lambda e: e["event"] == Event.INNER_PROGRESS and e["round"] == 2, freeze)
+        swarm.finish()
+        assert_no_solo_steps([a, b])
+        assert [e["group_size"] for e in a.of(Event.ALLREDUCE_DONE)] == [2, 2, 2]
+        one_digest([a, b])
 
 
 def test_the_same_scenario_gives_the_same_bits_every_time():
     def run():
         with SimSwarm(["run.max_rounds=3", "swarm.min_peers=3"]) as swarm:
             peers = [swarm.add() for _ in range(3)]
-            swarm.net.kill  # noqa: B018 (nothing injected: a plain run)
             swarm.finish()
             return one_digest(peers), [e["t"] for e in peers[0].events]
 
     assert run() == run()
-    assert torch.get_default_dtype() == torch.float32

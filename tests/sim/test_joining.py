@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.checkpoint import CheckpointStore
 from p2p_diloco.errors import ConfigMismatch
 from p2p_diloco.testing.harness import SimSwarm
@@ -19,12 +20,12 @@ pytestmark = pytest.mark.unit
 def test_late_joiner_reaches_the_swarm_digest():
     with SimSwarm(["run.max_rounds=6"]) as swarm:
         a, b = swarm.add(sets=["swarm.min_peers=2"]), swarm.add(sets=["swarm.min_peers=2"])
-        swarm.run_until(lambda: bool(a.of("outer_step", round=2)))
+        swarm.run_until(lambda: bool(a.of(Event.OUTER_STEP, round=2)))
         c = swarm.add()
         swarm.finish()
         one_digest([a, b, c])
-        assert c.of("state_loaded") and c.of("state_loaded")[0]["round"] >= 2
-        assert any(e["group_size"] == 3 for e in c.of("allreduce_done")), "the joiner never averaged"
+        assert c.of(Event.STATE_LOADED) and c.of(Event.STATE_LOADED)[0]["round"] >= 2
+        assert any(e["group_size"] == 3 for e in c.of(Event.ALLREDUCE_DONE)), "the joiner never averaged"
         assert_consistent(swarm)
 
 
@@ -33,12 +34,12 @@ def test_restarted_peer_takes_the_swarm_state_when_the_swarm_is_ahead(tmp_path):
     with SimSwarm(["run.max_rounds=20"]) as swarm:
         a = swarm.add(sets=["swarm.min_peers=2"])
         b = swarm.add(sets=["swarm.min_peers=2", f"checkpoint.dir={ckpt}"])
-        swarm.when(b, lambda e: e["event"] == "checkpoint_saved" and e["round"] == 1, lambda: swarm.net.kill(b.name))
-        swarm.run_until(lambda: bool(a.of("outer_step", round=3)))
+        swarm.when(b, lambda e: e["event"] == Event.CHECKPOINT_SAVED and e["round"] == 1, lambda: swarm.net.kill(b.name))
+        swarm.run_until(lambda: bool(a.of(Event.OUTER_STEP, round=3)))
         saved = CheckpointStore(ckpt).load()
         b2 = swarm.add(sets=[f"checkpoint.dir={ckpt}", "checkpoint.resume=true"], resume_from=saved, name="b2")
         swarm.finish([a, b2])
-        resumed, loaded = b2.of("resumed"), b2.of("state_loaded")
+        resumed, loaded = b2.of(Event.RESUMED), b2.of(Event.STATE_LOADED)
         assert resumed and resumed[0]["round"] == 1
         assert loaded and loaded[0]["round"] >= 3 and loaded[0]["from_peer"] == a.name
         assert b2.summary()["global_digest"] == a.summary()["global_digest"]
@@ -59,13 +60,13 @@ def test_joiner_detects_a_lying_donor_and_uses_another():
     with SimSwarm(["run.max_rounds=8"]) as swarm:
         honest, liar = swarm.add(sets=["swarm.min_peers=2"]), swarm.add(sets=["swarm.min_peers=2"])
         swarm.net.lie(liar.name)
-        swarm.run_until(lambda: bool(honest.of("outer_step", round=2)))
+        swarm.run_until(lambda: bool(honest.of(Event.OUTER_STEP, round=2)))
         joiner = swarm.add()
         joiner.peer.ctx.rng = _LiarFirst(liar.name)
         swarm.finish()
-        failed = joiner.of("state_download_failed", from_peer=liar.name)
+        failed = joiner.of(Event.STATE_DOWNLOAD_FAILED, from_peer=liar.name)
         assert failed and "majority" in failed[0]["reason"], joiner.events
-        loaded = joiner.of("state_loaded")
+        loaded = joiner.of(Event.STATE_LOADED)
         assert loaded and loaded[0]["from_peer"] == honest.name
         one_digest([honest, liar, joiner])
 
@@ -91,14 +92,14 @@ def test_a_malicious_contribution_is_left_out_or_clipped(mode, aggregation):
     assert abs(final.pop() - next(iter(honest.values()))["eval_loss_last"]) < 0.5
     if mode != "random":
         for p in peers[:3]:
-            excluded = p.of("contribution_excluded")
+            excluded = p.of(Event.CONTRIBUTION_EXCLUDED)
             assert excluded and all(e["peer"] == peers[3].name for e in excluded)
 
 
 def test_a_peer_of_another_config_is_refused():
     with SimSwarm(["run.max_rounds=3"]) as swarm:
         a = swarm.add()
-        swarm.run_until(lambda: bool(a.of("round_start")))
+        swarm.run_until(lambda: bool(a.of(Event.ROUND_START)))
         other = swarm.add(sets=["model.num_layers=3"])
         swarm.run_until(lambda: other.task.done())
         with pytest.raises(ConfigMismatch, match="model.num_layers"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.testing.harness import SimSwarm
 from tests.sim.helpers import assert_consistent, assert_no_solo_steps, finals, one_digest
 
@@ -15,8 +16,8 @@ STALL, STALL_ROUND, FLOOR, ROUNDS, MATCHMAKING = 20.0, 4, 3.0, 5, 5.0
 
 def _wait_in(peer, r: int) -> float:
     """Seconds from the peer's inner_done to its allreduce_done in round r."""
-    done = peer.of("inner_done", round=r)[0]["t"]
-    return peer.of("allreduce_done", round=r)[0]["t"] - done
+    done = peer.of(Event.INNER_DONE, round=r)[0]["t"]
+    return peer.of(Event.ALLREDUCE_DONE, round=r)[0]["t"] - done
 
 
 @pytest.mark.parametrize("deadlines", ["adaptive", "fixed"])
@@ -31,9 +32,9 @@ def test_stuck_straggler(deadlines):
         swarm.finish()
         one_digest(peers)  # the straggler caught up either way
         for p in peers[:2]:
-            groups = {e["round"]: e["group_size"] for e in p.of("allreduce_done")}
-            dropped = p.of("stragglers_dropped")
-            starts = p.of("allreduce_start", round=STALL_ROUND)
+            groups = {e["round"]: e["group_size"] for e in p.of(Event.ALLREDUCE_DONE)}
+            dropped = p.of(Event.STRAGGLERS_DROPPED)
+            starts = p.of(Event.ALLREDUCE_START, round=STALL_ROUND)
             if deadlines == "fixed":
                 assert groups == {r: 3 for r in range(1, ROUNDS + 1)}, groups
                 assert not dropped and _wait_in(p, STALL_ROUND) > STALL / 2
@@ -45,15 +46,15 @@ def test_stuck_straggler(deadlines):
             assert dropped[0]["waited_s"] < max(starts[0]["straggler_s"], MATCHMAKING + 0.5) + 2, (dropped, starts)
             assert _wait_in(p, STALL_ROUND) < STALL / 2
         if deadlines == "adaptive":  # the stalled peer took the state of the pair instead of averaging
-            assert peers[2].of("state_loaded")
+            assert peers[2].of(Event.STATE_LOADED)
 
 
 H, FAST_STEP, SLOW_STEP, MAX_WAIT = 40, 0.07, 0.22, 3.0
 
 
 def _waits(peer) -> dict[int, float]:
-    done = {e["round"]: e["t"] for e in peer.of("inner_done")}
-    return {e["round"]: e["t"] - done[e["round"]] for e in peer.of("allreduce_done")}
+    done = {e["round"]: e["t"] for e in peer.of(Event.INNER_DONE)}
+    return {e["round"]: e["t"] - done[e["round"]] for e in peer.of(Event.ALLREDUCE_DONE)}
 
 
 @pytest.mark.parametrize("mode", ["swarm_target", "fixed_steps"])
@@ -68,14 +69,20 @@ def test_slow_peer(mode):
         assert_consistent(swarm)
         one_digest(peers)
         for p in peers:
-            assert {e["round"]: e["group_size"] for e in p.of("allreduce_done")} == {1: 3, 2: 3, 3: 3}
-        steps = [{e["round"]: e["inner_steps"] for e in p.of("inner_done")} for p in peers]
+            assert {e["round"]: e["group_size"] for e in p.of(Event.ALLREDUCE_DONE)} == {1: 3, 2: 3, 3: 3}
+        steps = [{e["round"]: e["inner_steps"] for e in p.of(Event.INNER_DONE)} for p in peers]
         worst = max(w for p in peers for w in _waits(p).values())
         if mode == "fixed_steps":
             assert all(s == {1: H, 2: H, 3: H} for s in steps), steps
             assert worst > H * (SLOW_STEP - FAST_STEP) / 2  # the control: fast peers wait for the slow one
             return
         assert worst < MAX_WAIT
+        # the swarm trains its target, H steps of every peer, each round (a little more: records are read every
+        # round.progress_period, and extrapolated in between)
+        target = H * 3 * peers[0].training.tokens_per_step
+        for r in (1, 2, 3):
+            done = sum(e["tokens"] for p in peers for e in p.of(Event.INNER_DONE, round=r))
+            assert target <= done <= 1.2 * target, (r, done, target)
         summaries = finals(peers)
         slow, fast = summaries[peers[2].name], [summaries[p.name] for p in peers[:2]]
         assert all(slow["tokens_trained"] < f["tokens_trained"] for f in fast), summaries
@@ -85,8 +92,8 @@ def test_slow_peer(mode):
 
 def _overlapped(peer, r: int) -> bool:
     """Round r's all-reduce finished after the peer had started training round r+1."""
-    started = peer.of("round_start", round=r + 1)
-    done = peer.of("allreduce_done", round=r)
+    started = peer.of(Event.ROUND_START, round=r + 1)
+    done = peer.of(Event.ALLREDUCE_DONE, round=r)
     return bool(started and done) and done[-1]["t"] > started[0]["t"]
 
 
@@ -101,11 +108,11 @@ def test_overlapped_swarm_is_bit_identical_and_hides_the_sync():
             s = p.summary()
             assert s["rounds_completed"] == 4 and s["rounds_participated"] == 4
             assert s["eval_loss_last"] < s["eval_loss_first"]
-            assert [e["round"] for e in p.of("outer_step")] == [1, 2, 3, 4]
-            assert [e["group_size"] for e in p.of("allreduce_done")] == [3, 3, 3, 3]
-            assert len(p.of("round_start")) == 4  # the last round is not trained: theta(4) is the last one
+            assert [e["round"] for e in p.of(Event.OUTER_STEP)] == [1, 2, 3, 4]
+            assert [e["group_size"] for e in p.of(Event.ALLREDUCE_DONE)] == [3, 3, 3, 3]
+            assert len(p.of(Event.ROUND_START)) == 4  # the last round is not trained: theta(4) is the last one
             assert any(_overlapped(p, r) for r in (1, 2, 3)), "no all-reduce ran behind inner steps"
-            assert sorted(e["round"] for e in p.of("eval")) == [0, 1, 2, 3, 4]
+            assert sorted(e["round"] for e in p.of(Event.EVAL)) == [0, 1, 2, 3, 4]
 
 
 def test_overlap_survives_a_joiner_and_a_kill():
@@ -114,15 +121,15 @@ def test_overlap_survives_a_joiner_and_a_kill():
     rounds = 10
     with SimSwarm(["outer.overlap=true", "train.inner_steps=50", f"run.max_rounds={rounds}"]) as swarm:
         a, b = swarm.add(sets=["swarm.min_peers=2"]), swarm.add(sets=["swarm.min_peers=2"])
-        swarm.run_until(lambda: bool([e for e in a.of("outer_step") if e["round"] >= 2]))
+        swarm.run_until(lambda: bool([e for e in a.of(Event.OUTER_STEP) if e["round"] >= 2]))
         c = swarm.add()
-        swarm.run_until(lambda: bool([e for e in c.of("allreduce_done") if e["group_size"] == 3]))
-        swarm.when(b, lambda e: e["event"] == "allreduce_start" and e["expected_group_size"] == 3,
+        swarm.run_until(lambda: bool([e for e in c.of(Event.ALLREDUCE_DONE) if e["group_size"] == 3]))
+        swarm.when(b, lambda e: e["event"] == Event.ALLREDUCE_START and e["expected_group_size"] == 3,
                    lambda: swarm.net.kill(b.name))
         swarm.finish([a, c])
         sa, sc = a.summary(), c.summary()
         assert sa["rounds_completed"] == sc["rounds_completed"] == rounds
         assert sa["global_digest"] == sc["global_digest"]
-        assert c.of("state_loaded")
+        assert c.of(Event.STATE_LOADED)
         assert_consistent(swarm, [a, c])
         assert_no_solo_steps([a, c])

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_event
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(240)]
@@ -36,7 +37,7 @@ def test_peers_join_through_a_bootstrap_node_that_keeps_its_id(tmp_path, reap):
         p.wait_joined()
     ids = {p.peer_id for p in peers}
     # `p2p-diloco status` through the bootstrap node, while the peers train (after their first round)
-    wait_for_event(tmp_path / peers[0].peer_id / "events.jsonl", lambda e: e["event"] == "allreduce_done", 120,
+    wait_for_event(tmp_path / peers[0].peer_id / "events.jsonl", lambda e: e["event"] == Event.ALLREDUCE_DONE, 120,
                    peers[0])
     status = Proc(["status", "--initial-peers", *boot.join_maddrs, "--run-id", "t-boot", "--json"], reap)
     assert status.wait(60) == 0, status.stderr_tail()
@@ -51,7 +52,7 @@ def test_peers_join_through_a_bootstrap_node_that_keeps_its_id(tmp_path, reap):
     summaries = [load_json(tmp_path / f"p{i}.json") for i in range(2)]
     assert len({s["global_digest"] for s in summaries}) == 1
     for p in peers:
-        groups = [e["group_size"] for e in events_of(tmp_path, p) if e["event"] == "allreduce_done"]
+        groups = [e["group_size"] for e in events_of(tmp_path, p) if e["event"] == Event.ALLREDUCE_DONE]
         assert groups == [2] * ROUNDS, groups
     assert list((tmp_path / peers[0].peer_id / "tensorboard").glob("events.out.tfevents.*"))
     assert list((tmp_path / peers[1].peer_id / "wandb").glob("offline-run-*/*.wandb"))

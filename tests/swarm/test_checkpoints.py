@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from tests.conftest import survivors
 from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_event
 
@@ -25,7 +26,7 @@ def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, reap):
     first = _lone(tmp_path, reap, "first", "--checkpoint-dir", str(ckpt))
     first.wait_joined()
     wait_for_event(tmp_path / "first" / first.peer_id / "events.jsonl",
-                   lambda e: e["event"] == "checkpoint_saved" and e["round"] == 2, 240, first)
+                   lambda e: e["event"] == Event.CHECKPOINT_SAVED and e["round"] == 2, 240, first)
     first.signal(signal.SIGTERM)
     assert first.wait(60) == 0, first.stderr_tail()
     stopped = load_json(tmp_path / "first.json")
@@ -40,7 +41,7 @@ def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, reap):
     assert a["global_digest"] == b["global_digest"], "resume did not continue exactly"
     assert a["tokens_trained"] == b["tokens_trained"]
     ev = events_of(tmp_path / "resumed", resumed)
-    assert [e["round"] for e in ev if e["event"] == "resumed"] == [stopped["rounds_completed"]]
+    assert [e["round"] for e in ev if e["event"] == Event.RESUMED] == [stopped["rounds_completed"]]
     assert len(list(ckpt.glob("round-*.pt"))) == 3  # keep = 3
     assert not survivors(reap)
 

@@ -12,6 +12,7 @@ FSDP2 inside the peer, hivemind between peers, ``outer.sharding = "rank0"``.
 import pytest
 import torch
 
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.checkpoint import CheckpointStore
 from p2p_diloco.cli.launcher import parse_join_line
 from tests.swarm.helpers import (FAULT, Proc, digests_by_round, events_of, load_json, start_peers, torchrun_args,
@@ -46,7 +47,7 @@ def _check_synced(tmp_path, summaries, thetas, before, procs) -> None:
     assert summaries[0]["global_digest"] == summaries[1]["global_digest"]
     assert all(torch.equal(a, b) for a, b in zip(*thetas))
     for p in procs:  # every round averaged by both peers
-        groups = [e["group_size"] for e in events_of(tmp_path, p) if e["event"] == "allreduce_done"]
+        groups = [e["group_size"] for e in events_of(tmp_path, p) if e["event"] == Event.ALLREDUCE_DONE]
         assert groups == [2] * ROUNDS, groups
         # rank 0 alone prints the join line (followers write nothing to stdout)
         assert sum(parse_join_line(line) is not None for line in p.lines) == 1, p.lines
@@ -97,7 +98,7 @@ def test_cluster_peer_resumes_bit_identically(tmp_path, reap, parallelism, shard
     assert a["rounds_completed"] == b["rounds_completed"] == 3
     assert a["global_digest"] == b["global_digest"], "resume did not continue exactly"
     assert a["tokens_trained"] == b["tokens_trained"]
-    assert [e["round"] for e in events_of(tmp_path / "resumed", resumed) if e["event"] == "resumed"] == [2]
+    assert [e["round"] for e in events_of(tmp_path / "resumed", resumed) if e["event"] == Event.RESUMED] == [2]
     if sharding == "sharded":  # rank 0 kept shards 0 and 2, rank 1 shard 1: files for the kept rounds only
         names = sorted(p.name for p in (tmp_path / "ckpt" / "shards").iterdir())
         assert names == [f"shard-{j:04d}-round-{r:08d}.pt" for j in range(3) for r in (1, 2, 3)], names
@@ -132,7 +133,7 @@ def test_sharded_peers_of_any_layout_average_and_catch_up(tmp_path, reap):
                   python_args=torchrun_args(2))
     second.wait_joined()
     wait_for_event(tmp_path / first.peer_id / "events.jsonl",
-                   lambda e: e["event"] == "outer_step" and e["round"] >= 1, 150, first)
+                   lambda e: e["event"] == Event.OUTER_STEP and e["round"] >= 1, 150, first)
     late = Proc(["join", "--initial-peers", *maddrs, *second.join_maddrs, *common, "--set", "train.parallelism=ddp",
                  "--summary-json", str(tmp_path / "p2.json")], reap, python_args=torchrun_args(2))
     procs = [first, second, late]
@@ -144,9 +145,9 @@ def test_sharded_peers_of_any_layout_average_and_catch_up(tmp_path, reap):
     by_round = digests_by_round(tmp_path, procs)
     assert all(len(d) == 1 for d in by_round.values()), by_round
     late_events = events_of(tmp_path, late)
-    loaded = [e for e in late_events if e["event"] == "state_loaded"]
+    loaded = [e for e in late_events if e["event"] == Event.STATE_LOADED]
     assert loaded and loaded[0]["round"] >= 1, late_events  # caught up by download, not by training from scratch
-    groups = [e["group_size"] for e in late_events if e["event"] == "allreduce_done"]
+    groups = [e["group_size"] for e in late_events if e["event"] == Event.ALLREDUCE_DONE]
     assert groups and all(g == 3 for g in groups), groups  # after the download: every round with all three
     for p in procs:
         assert sum(parse_join_line(line) is not None for line in p.lines) == 1, p.lines

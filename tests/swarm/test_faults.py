@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from tests.conftest import survivors
 from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_event
 
@@ -29,7 +30,7 @@ def test_sigterm_mid_allreduce_stops_cleanly_and_others_carry_on(tmp_path, reap)
     for p in procs:
         p.wait_joined()
     wait_for_event(tmp_path / victim.peer_id / "events.jsonl",
-                   lambda e: e["event"] == "allreduce_running" and e["round"] == 2, 240, victim)
+                   lambda e: e["event"] == Event.ALLREDUCE_RUNNING and e["round"] == 2, 240, victim)
     t0 = time.monotonic()
     victim.signal(signal.SIGTERM)
     assert victim.wait(30) == 0, victim.stderr_tail()
@@ -41,5 +42,5 @@ def test_sigterm_mid_allreduce_stops_cleanly_and_others_carry_on(tmp_path, reap)
     assert len({s["global_digest"] for s in sums}) == 1
     assert all(s["rounds_completed"] == 3 for s in sums)
     for p in procs[:2]:
-        assert not [e for e in events_of(tmp_path, p) if e["event"] == "allreduce_done" and e.get("lone")]
+        assert not [e for e in events_of(tmp_path, p) if e["event"] == Event.ALLREDUCE_DONE and e.get("lone")]
     assert not survivors(reap)

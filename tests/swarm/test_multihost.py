@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from tests.swarm import netns
 from p2p_diloco.metrics import read_events
 from tests.swarm.helpers import FAULT, Proc, load_json
@@ -70,11 +71,11 @@ def test_peers_on_three_hosts_join_through_a_bootstrap_node(tmp_path, reap, lan)
     assert len({s["global_digest"] for s in summaries.values()}) == 1, summaries
     for host, s in summaries.items():
         events = read_events(tmp_path / s["peer_id"] / "events.jsonl")
-        groups = {e["round"]: e["group_size"] for e in events if e["event"] == "allreduce_done"}
+        groups = {e["round"]: e["group_size"] for e in events if e["event"] == Event.ALLREDUCE_DONE}
         assert set(groups.values()) == {3}, (host, groups)  # the client-mode peer is in every group formed
         # a member can abort a round the other two applied (README "Not guaranteed", seen once in CI); it must then
         # have taken their state: every round is accounted for
-        caught_up = {e["round"] for e in events if e["event"] == "state_loaded"}
+        caught_up = {e["round"] for e in events if e["event"] == Event.STATE_LOADED}
         assert set(range(1, ROUNDS + 1)) <= set(groups) | caught_up, (host, groups, caught_up)
     # the client-mode peer averaged in at least every round but one (the one it might have aborted)
     assert summaries["nat"]["rounds_participated"] >= ROUNDS - 1 and summaries["nat"]["bytes_sent"] > 0

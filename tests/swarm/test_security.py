@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from p2p_diloco.swarm.identity import Identity
 from tests.swarm.helpers import FAULT, Proc, digests_by_round, eval_by_round, events_of, start_peers, wait_for_event
 
@@ -39,8 +40,8 @@ def test_malicious_peer_is_left_out_by_every_reducer(tmp_path, reap):
         assert sorted(losses) == list(range(ROUNDS + 1)), losses
         assert all(math.isfinite(v) for v in losses.values()), losses
         assert losses[ROUNDS] < losses[0] - 0.5, losses  # still learning
-        assert [e["group_size"] for e in events if e["event"] == "allreduce_done"] == [4] * ROUNDS
-        excluded = {e["peer"] for e in events if e["event"] == "contribution_excluded"}
+        assert [e["group_size"] for e in events if e["event"] == Event.ALLREDUCE_DONE] == [4] * ROUNDS
+        excluded = {e["peer"] for e in events if e["event"] == Event.CONTRIBUTION_EXCLUDED}
         assert excluded == {attacker.peer_id}, excluded
     assert all(len(d) == 1 for d in digests_by_round(tmp_path, procs).values()), digests_by_round(tmp_path, procs)
 
@@ -73,15 +74,15 @@ def test_private_run_refuses_a_stranger(tmp_path, reap):
         assert p.wait(300) == 0, p.stderr_tail()
     # it did try (matchmaking with the members, or a download of their state) and was refused
     wait_for_event(tmp_path / stranger.peer_id / "events.jsonl",
-                   lambda e: e["event"] in ("allreduce_failed", "state_download_failed"), 60, stranger)
+                   lambda e: e["event"] in (Event.ALLREDUCE_FAILED, Event.STATE_DOWNLOAD_FAILED), 60, stranger)
     stranger.kill_group()
     for p in procs:
         events = events_of(tmp_path, p)
-        assert [e["group_size"] for e in events if e["event"] == "allreduce_done"] == [2, 2, 2]
+        assert [e["group_size"] for e in events if e["event"] == Event.ALLREDUCE_DONE] == [2, 2, 2]
     assert all(len(d) == 1 for d in digests_by_round(tmp_path, procs).values())
     theirs = events_of(tmp_path, stranger)
-    assert not [e for e in theirs if e["event"] == "allreduce_done" and e["group_size"] > 1]
-    assert not [e for e in theirs if e["event"] == "state_loaded"]
+    assert not [e for e in theirs if e["event"] == Event.ALLREDUCE_DONE and e["group_size"] > 1]
+    assert not [e for e in theirs if e["event"] == Event.STATE_LOADED]
 
 
 def test_a_peer_outside_its_own_allowlist_is_a_one_line_error(tmp_path, reap):

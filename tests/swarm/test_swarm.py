@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from p2p_diloco.metrics.events import Event
 from tests.conftest import survivors, tagged_processes
 from tests.swarm.helpers import FAST, Proc, eval_by_round, load_json, wait_for_event
 from p2p_diloco.metrics import read_events
@@ -31,10 +32,10 @@ def test_three_peer_swarm_bit_identical_and_learning(tmp_path, reap):
         losses = eval_by_round(events)
         assert [r for r in sorted(losses)] == [0, 1, 2, 3]
         assert all(losses[r + 1] < losses[r] for r in range(3)), losses
-        done = [e for e in events if e["event"] == "allreduce_done"]
+        done = [e for e in events if e["event"] == Event.ALLREDUCE_DONE]
         assert [e["group_size"] for e in done] == [3, 3, 3]
         assert all(e["bytes_sent"] > 0 and e["seconds"] >= 0 for e in done)
-        steps = [e for e in events if e["event"] == "outer_step"]
+        steps = [e for e in events if e["event"] == Event.OUTER_STEP]
         assert [e["round"] for e in steps] == [1, 2, 3]
         for e in events:
             assert {"t", "event", "round"} <= set(e)
@@ -42,7 +43,7 @@ def test_three_peer_swarm_bit_identical_and_learning(tmp_path, reap):
     per_round = {}
     for peer in result["peers"]:
         for e in read_events(tmp_path / "logs" / peer["peer_id"] / "events.jsonl"):
-            if e["event"] == "outer_step":
+            if e["event"] == Event.OUTER_STEP:
                 per_round.setdefault(e["round"], set()).add(e["digest"])
     assert all(len(d) == 1 for d in per_round.values()), per_round
     assert "all digests agree: yes" in "".join(swarm.lines)
@@ -54,7 +55,7 @@ def test_late_joiner_reaches_swarm_digest(tmp_path, reap):
     first = Proc(["join", "--max-rounds", "5", "--run-id", "t-late", "--log-dir", str(tmp_path),
                   "--summary-json", str(tmp_path / "a.json"), *FAST], reap)
     maddrs = first.wait_joined()
-    wait_for_event(tmp_path / first.peer_id / "events.jsonl", lambda e: e["event"] == "outer_step", 120, first)
+    wait_for_event(tmp_path / first.peer_id / "events.jsonl", lambda e: e["event"] == Event.OUTER_STEP, 120, first)
     late = Proc(["join", "--initial-peers", *maddrs, "--max-rounds", "5", "--run-id", "t-late",
                  "--log-dir", str(tmp_path), "--summary-json", str(tmp_path / "b.json"), *FAST], reap)
     assert late.wait(240) == 0, late.stderr_tail()
@@ -63,10 +64,10 @@ def test_late_joiner_reaches_swarm_digest(tmp_path, reap):
     assert a["rounds_completed"] == b["rounds_completed"] == 5
     assert a["global_digest"] == b["global_digest"]
     late_events = read_events(tmp_path / late.peer_id / "events.jsonl")
-    loaded = [e for e in late_events if e["event"] == "state_loaded"]
+    loaded = [e for e in late_events if e["event"] == Event.STATE_LOADED]
     assert loaded and loaded[0]["from_peer"] == first.peer_id and loaded[0]["round"] >= 1
     # after loading, the joiner took part in at least one all-reduce with the first peer
-    assert any(e["event"] == "allreduce_done" and e["group_size"] == 2 for e in late_events)
+    assert any(e["event"] == Event.ALLREDUCE_DONE and e["group_size"] == 2 for e in late_events)
     assert not survivors(reap)
 
 
@@ -112,7 +113,7 @@ def test_interrupted_swarm_leaves_no_process(tmp_path, reap, sig):
                  prefix=IGNORE_SIGINT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not any(
-            e["event"] == "outer_step" for f in tmp_path.glob("*/events.jsonl") for e in read_events(f)):
+            e["event"] == Event.OUTER_STEP for f in tmp_path.glob("*/events.jsonl") for e in read_events(f)):
         time.sleep(0.5)
     procs = tagged_processes(reap)
     assert sum("p2pd" in " ".join(p.cmdline()) for p in procs) >= 2, [p.cmdline() for p in procs]

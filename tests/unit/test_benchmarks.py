@@ -1,16 +1,11 @@
 """The convergence benchmarks' own arithmetic: the in-process DiLoCo simulator used for outer-step sweeps must be
 DiLoCo (checked against the cases where DiLoCo reduces to something simpler), or its sweeps mean nothing."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from convergence import local_arm  # noqa: E402
-from outer_sweep import parse_outer, simulate  # noqa: E402
-
-from p2p_diloco.config import load_config  # noqa: E402
+from benchmarks.convergence import local_arm
+from benchmarks.outer_sweep import parse_outer, simulate
+from p2p_diloco.config import load_config
 
 pytestmark = pytest.mark.unit
 

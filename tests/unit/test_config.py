@@ -112,3 +112,100 @@ def test_security_settings_keep_old_fingerprints_at_their_defaults():
 def test_security_settings_are_checked(item, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         load_config(None, [item])
+
+
+def _literal_fields():
+    import dataclasses
+
+    from p2p_diloco.config.schema import choices, field_types
+
+    return [(f"{s.name}.{key}", choices(t)) for s in dataclasses.fields(Config)
+            for key, t in field_types(s.default_factory).items() if choices(t)]
+
+
+def test_enum_settings_are_literals_with_the_modules_choices():
+    from p2p_diloco.outer.aggregation import METHODS
+    from p2p_diloco.outer.codecs import CODECS
+
+    fields = dict(_literal_fields())
+    assert set(fields) == {"train.autocast", "train.device", "train.parallelism", "data.streaming",
+                           "outer.compression", "outer.sharding", "outer.aggregation", "round.mode",
+                           "swarm.transport", "swarm.deadlines"}
+    assert fields["outer.compression"] == CODECS and fields["outer.aggregation"] == METHODS
+    default = Config()
+    for name, allowed in fields.items():  # every default is one of its choices
+        section, key = name.split(".")
+        assert getattr(getattr(default, section), key) in allowed, name
+
+
+@pytest.mark.parametrize("name, allowed", _literal_fields())
+def test_every_literal_setting_takes_its_choices_and_nothing_else(name, allowed):
+    for value in allowed:
+        section, key = name.split(".")
+        assert getattr(getattr(load_config(None, [f"{name}='{value}'"]), section), key) == value
+    wording = " or ".join(allowed) if len(allowed) == 2 else "one of " + ", ".join(allowed)
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'{name} must be {wording}, got ' + repr('bogus'))}$"):
+        load_config(None, [f"{name}=bogus"])
+
+
+def test_choices_are_checked_on_a_config_built_in_code():
+    from p2p_diloco.config.checks import validate
+
+    cfg = Config()
+    cfg.outer.compression = "zstd"
+    with pytest.raises(ConfigError, match=re.escape("outer.compression must be one of none, fp16, bf16, int8, int4, "
+                                                    "got 'zstd'")):
+        validate(cfg)
+
+
+def test_reading_a_config_does_not_import_torch():
+    # bad input must fail within a fraction of a second: torch alone takes over a second to import
+    import subprocess
+    import sys
+
+    code = ("import sys; from p2p_diloco.config import load_config; import p2p_diloco.cli; "
+            "load_config(None, ['train.lr=0.5']); print('torch' in sys.modules, 'hivemind' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_flag_table_names_real_flags_and_keys(monkeypatch):
+    from p2p_diloco.cli.parser import FLAGS
+
+    monkeypatch.delenv("P2P_DILOCO_INITIAL_PEERS", raising=False)
+    dests = vars(_args([]))
+    known = Config().to_dict()
+    for dest, key in FLAGS:
+        section, name = key.split(".")
+        assert dest in dests and name in known[section], (dest, key)
+
+
+def test_every_join_flag_reaches_its_config_key(monkeypatch, tmp_path):
+    peer = "/ip4/127.0.0.1/tcp/5/p2p/12D3KooWAJ6LLP9vy8TfHi4hdDVvYT81fFM7YibrdRCRvaUyi1X8"
+    monkeypatch.setenv("P2P_DILOCO_INITIAL_PEERS", peer)
+    cfg = load_join_config(_args([
+        "--run-id", "r1", "--max-rounds", "3", "--inner-steps", "5", "--data-seed", "4", "--checkpoint-dir", "/ck",
+        "--resume", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--announce-maddrs", "/ip4/1.2.3.4/tcp/5",
+        "--identity-path", "/id.key", "--client-mode", "--no-use-relay", "--use-auto-relay", "--startup-timeout", "3",
+        "--debug-step-delay", "0.5", "--debug-corrupt-pseudo-gradient", "nan"]))
+    assert (cfg.run.run_id, cfg.run.max_rounds, cfg.train.inner_steps, cfg.data.seed) == ("r1", 3, 5, 4)
+    assert (cfg.checkpoint.dir, cfg.checkpoint.resume) == ("/ck", True)
+    assert cfg.swarm.initial_peers == [peer]  # from the environment, when --initial-peers is not given
+    assert (cfg.swarm.host_maddrs, cfg.swarm.announce_maddrs) == (["/ip4/127.0.0.1/tcp/0"], ["/ip4/1.2.3.4/tcp/5"])
+    assert (cfg.swarm.identity_path, cfg.swarm.client_mode, cfg.swarm.use_relay, cfg.swarm.use_auto_relay,
+            cfg.swarm.startup_timeout) == ("/id.key", True, False, True, 3.0)
+    assert (cfg.debug.step_delay, cfg.debug.corrupt_pseudo_gradient) == (0.5, "nan")
+    # flags not given leave the file's values alone: store_true's False is "not given", not "false"
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[checkpoint]\ndir = "/ck"\nresume = true\n[swarm]\nuse_relay = false\n')
+    cfg = load_join_config(_args(["--config", str(cfg_file), "--initial-peers", peer]))
+    assert cfg.checkpoint.resume is True and cfg.swarm.use_relay is False and cfg.swarm.initial_peers == [peer]
+
+
+def test_swarm_per_peer_step_delays_stay_with_the_launcher(monkeypatch):
+    import argparse
+
+    monkeypatch.delenv("P2P_DILOCO_INITIAL_PEERS", raising=False)
+    args = build_parser().parse_args(["swarm", "--peers", "2", "--debug-step-delay", "1", "2", "--data-seed", "3"])
+    cfg = load_join_config(argparse.Namespace(**{**vars(args), "initial_peers": None}))
+    assert cfg.debug.step_delay == 0.0 and cfg.data.seed == 3

@@ -1,8 +1,10 @@
-"""Process-level settings of a peer."""
+"""Process-level settings of a peer, and the harness that runs peer processes (PeerProcess)."""
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -50,3 +52,104 @@ def test_reap_children_can_be_limited_to_the_processes_a_part_started():
     finally:
         other.kill()
         other.wait()
+
+
+# PeerProcess: a fake peer (this module run as ``python -m tests.unit.test_processes MODE ...``, see the bottom).
+FAKE = "tests.unit.test_processes"
+PEER = "12D3KooWAJ6LLP9vy8TfHi4hdDVvYT81fFM7YibrdRCRvaUyi1X8"
+
+
+def test_peer_process_reads_the_join_line_output_and_events(tmp_path):
+    from p2p_diloco.metrics.events import Event
+    from p2p_diloco.runtime.peer_process import PeerProcess
+
+    proc = PeerProcess(["join", str(tmp_path)], module=FAKE, env={"FAKE_PEER_VAR": "x", "HOME": None})
+    try:
+        assert proc.wait_joined(30) == [f"/ip4/127.0.0.1/tcp/4001/p2p/{PEER}"]
+        assert proc.peer_id == PEER and proc.run_id == "r1" and proc.joined
+        assert proc.poll() is None and proc.returncode is None
+        assert [e["event"] for e in proc.events(tmp_path)] == [Event.ROUND_START, Event.OUTER_STEP]
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(30) == -signal.SIGTERM
+        assert proc.wait_output(10)
+        assert proc.lines[0] == "env x None\n"
+        assert "fake peer on stderr\n" in proc.err_lines and "fake peer on stderr" in proc.stderr_tail(1)
+    finally:
+        proc.kill_group()
+        proc.wait(10)
+
+
+def test_peer_process_that_exits_without_joining_is_a_clear_error(tmp_path):
+    from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
+
+    t0 = time.monotonic()
+    proc = PeerProcess(["fail"], module=FAKE, stderr=tmp_path / "err.log", log_command=True)
+    with pytest.raises(PeerStartError, match=r"exited \(3\)[\s\S]*boom"):
+        proc.wait_joined(60)
+    assert time.monotonic() - t0 < 30  # the process's end, not the timeout
+    assert proc.peer_id is None and proc.events(tmp_path) == [] and not proc.joined
+    log = (tmp_path / "err.log").read_text().splitlines()
+    assert log[0].endswith(f"-m {FAKE} fail") and log[-1] == "boom"
+
+
+def test_stop_all_leaves_nothing_of_the_process_groups(monkeypatch):
+    from p2p_diloco.runtime import peer_process
+    from p2p_diloco.runtime.peer_process import PeerProcess, stop_all
+    from p2p_diloco.runtime.processes import wait_group_gone
+
+    # stop_all waits up to 10 s for a group to empty by itself (torch_shm_manager); 1 s is enough here
+    monkeypatch.setattr(peer_process, "wait_group_gone", lambda pgid, timeout: wait_group_gone(pgid, min(timeout, 1)))
+    polite = PeerProcess(["group"], module=FAKE)  # exits on SIGTERM, its child stays in the group
+    stubborn = PeerProcess(["group", "--ignore-term"], module=FAKE)
+    done = PeerProcess(["fail"], module=FAKE)
+    for p in (polite, stubborn):
+        p.wait_joined(30)
+    done.wait(30)
+    t0 = time.monotonic()
+    stop_all([polite, stubborn, done], grace=2)
+    assert time.monotonic() - t0 < 15
+    assert polite.returncode == -signal.SIGTERM and stubborn.returncode == -signal.SIGKILL and done.returncode == 3
+    # nothing runs; a killed child, reparented to init, may stay a zombie until init reaps it
+    assert all(wait_group_gone(p.pid, 10) for p in (polite, stubborn, done))
+
+
+def test_signal_group_reaches_every_process_of_the_group():
+    from p2p_diloco.runtime.peer_process import PeerProcess
+    from p2p_diloco.runtime.processes import wait_group_gone
+
+    proc = PeerProcess(["group", "--ignore-term"], module=FAKE)
+    proc.wait_joined(30)
+    proc.signal_group(signal.SIGKILL)
+    assert proc.wait(10) == -signal.SIGKILL
+    assert wait_group_gone(proc.pid, timeout=10)
+    proc.kill_group()  # a group already gone is ignored
+
+
+def _fake_peer(argv: list[str]) -> None:
+    """``join LOG_DIR``: events, a join line, then sleep. ``group [--ignore-term]``: a child in the group, a join
+    line, then sleep. ``fail``: one stderr line, exit 3."""
+    import json
+    import os
+    from pathlib import Path
+
+    if argv[0] == "fail":
+        print("boom", file=sys.stderr)
+        sys.exit(3)
+    if argv[0] == "join":
+        print(f"env {os.environ.get('FAKE_PEER_VAR')} {os.environ.get('HOME')}", flush=True)
+        folder = Path(argv[1]) / PEER
+        folder.mkdir(parents=True)
+        (folder / "events.jsonl").write_text("".join(json.dumps({"t": 0.0, "event": name, "round": 1}) + "\n"
+                                                     for name in ("round_start", "outer_step")))
+    else:
+        subprocess.Popen([sys.executable, "-c", "import os, time\nparent = os.getppid()\n"  # same process group;
+                          "while os.getppid() == parent:\n    time.sleep(0.1)"])  # it ends after its parent
+        if "--ignore-term" in argv:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("fake peer on stderr", file=sys.stderr, flush=True)
+    print(f"p2p-diloco join --initial-peers /ip4/127.0.0.1/tcp/4001/p2p/{PEER} --run-id r1", flush=True)
+    time.sleep(120)
+
+
+if __name__ == "__main__":
+    _fake_peer(sys.argv[1:])
