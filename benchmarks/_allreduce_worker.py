@@ -258,7 +258,7 @@ class Worker:
 
             self.averager = DecentralizedAverager(tensors, self.dht, **common)
         else:
-            from p2p_diloco.swarm.averager import ExactAverager
+            from p2p_diloco.swarm.exact_averager import ExactAverager
             from p2p_diloco.swarm.compression import compression_for
 
             common["start"] = False

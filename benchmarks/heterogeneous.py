@@ -102,7 +102,8 @@ def main() -> int:
         print(f"{r['mode']:<20} {r['wall_s']:>7.1f} {r['peers'][0]['eval_loss']:>9.4f}  digests equal: "
               f"{r['digests_equal']}")
         for p in r["peers"]:
-            print(f"    peer {p['index']}: {p['delay']:.2f}  {p['tokens']:>9,}  {p['idle_fraction']:.3f}  {p['steps']}  "
+            print(f"    peer {p['index']}: {p['delay']:.2f}  {p['tokens']:>9,}  {p['idle_fraction']:.3f}  "
+                  f"{p['steps']}  "
                   f"{p['rounds_participated']}")
     target = next((r for r in results if r["mode"] == "swarm_target"), None)
     if target is None:

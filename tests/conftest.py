@@ -40,6 +40,24 @@ def survivors(tag: str, grace: float = 15.0) -> list[str]:
         time.sleep(0.5)
 
 
+LAYERS = {"unit", "sim", "swarm"}  # each test directory's marker (tests/<layer>/)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test carries the marker of its directory, so that ``-m unit``/``sim``/``swarm`` select exactly it.
+
+    Under pytest-xdist (``-n 2 --dist loadgroup``, the test command in .ci/run) the ``slow`` tests, which run several
+    peer processes each, all go to one worker, one after the other: two of them at once on 2 cores would slow each
+    other's peers past their timeouts. The other worker runs everything else meanwhile.
+    """
+    for item in items:
+        layer = item.path.parent.name
+        if layer in LAYERS and not item.get_closest_marker(layer):
+            raise pytest.UsageError(f"{item.nodeid} lacks its directory's marker: pytestmark = pytest.mark.{layer}")
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("peer-processes"))
+
+
 @pytest.fixture
 def reap():
     """A fresh tag for this test's processes; at teardown every tagged process still alive is killed."""

@@ -37,7 +37,8 @@ def validate_maddr(text: str, need_peer_id: bool) -> str:
         maddr = Multiaddr(text)
         protocols = [p.name for p in maddr.protocols()]
     except Exception as e:
-        raise UsageError(f"invalid multiaddr {text!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"invalid multiaddr {text!r}: {reason}") from None
     if need_peer_id and "p2p" not in protocols:
         raise UsageError(f"multiaddr {text!r} must end with /p2p/<peer id>")
     return str(maddr)

@@ -118,7 +118,8 @@ def check_modes(cfg: Config) -> None:
 
 
 def check_security(cfg: Config) -> None:
-    """``outer.norm_bound`` and ``outer.trim`` (the aggregation method is a choice), ``debug.corrupt_pseudo_gradient``."""
+    """``outer.norm_bound``, ``outer.trim`` (the aggregation method is a choice) and
+    ``debug.corrupt_pseudo_gradient``."""
     o = cfg.outer
     if not (math.isfinite(o.norm_bound) and o.norm_bound >= 0) or (0 < o.norm_bound <= 1):
         raise ConfigError(f"outer.norm_bound must be 0 (off) or > 1, got {o.norm_bound}")

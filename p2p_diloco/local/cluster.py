@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ..config import Config, ConfigError
 from ..outer import optimizer as outer
-from ..training.inner import InnerTrainer, Replica
+from ..training.inner import InnerTrainer, Replica, evaluate
 from .commands import EVAL, GATHER, OPTIM, PARAMS, STATE, STEP, STOP
 
 log = logging.getLogger(__name__)
@@ -183,10 +183,10 @@ class ClusterTrainer(InnerTrainer):
         super().__init__(cluster.wrap(model), cfg, lambda: cluster.shard(next_batch()), total_steps, cluster.device)
         self.cluster = cluster
 
-    def step(self, global_step: int) -> tuple[float, int]:
+    def step(self, schedule_step: int) -> tuple[float, int]:
         if self.cluster.rank == 0:
-            self.cluster.send(STEP, global_step)
-        loss, tokens = super().step(global_step)
+            self.cluster.send(STEP, schedule_step)
+        loss, tokens = super().step(schedule_step)
         return self.cluster.mean(loss), tokens * self.cluster.world
 
 
@@ -203,6 +203,14 @@ class FsdpFullState:
 
     def gather(self) -> dict:
         return self.dcp.get_model_state_dict(self.model, options=self.full)
+
+    def evaluate(self, batches, device: torch.device, autocast: str) -> float:
+        """Evaluate (every rank), then reshard: a forward pass without a backward leaves the root module's
+        parameters unsharded, and loading a state into it then fails (outer.overlap loads the look-ahead right
+        after the boundary's evaluation)."""
+        loss = evaluate(self.model, batches, device, autocast)
+        self.model.reshard()
+        return loss
 
     def gather_optimizer(self) -> dict:
         """The full inner optimizer state, or {} before the first step. Never ask torch for an empty one: it
@@ -222,7 +230,8 @@ class FsdpFullState:
 
 
 class ClusterReplica(Replica):
-    """Rank 0's :class:`~p2p_diloco.training.inner.Replica`: each operation on the model goes through the local ranks."""
+    """Rank 0's :class:`~p2p_diloco.training.inner.Replica`: each operation on the model goes through the local
+    ranks."""
 
     def __init__(self, cluster: Cluster, model: torch.nn.Module, trainer: ClusterTrainer, autocast: str):
         super().__init__(model, trainer, autocast)
@@ -245,9 +254,10 @@ class ClusterReplica(Replica):
             self.cluster.broadcast_params(self.params)
 
     def evaluate(self, batches) -> float:
-        if self.fsdp:
-            self.cluster.send(EVAL)
-        return super().evaluate(batches)
+        if not self.fsdp:
+            return super().evaluate(batches)
+        self.cluster.send(EVAL)
+        return self.fsdp.evaluate(batches, self.trainer.device, self.autocast)
 
     def model_state(self) -> dict:
         if not self.fsdp:

@@ -11,7 +11,6 @@ import torch
 from ..config import Config
 from ..runtime.processes import keep_freed_memory
 from ..training.data import PackedStream, eval_batches
-from ..training.inner import evaluate
 from ..training.model import build_model
 from ..training.tokenizer import build_tokenizer, vocab_size
 from .cluster import Cluster, ClusterTrainer, FsdpFullState
@@ -63,7 +62,7 @@ def _obey(op: int, arg: int, cluster: Cluster, trainer: ClusterTrainer, fsdp: Fs
           eval_set, cfg: Config) -> None:
     """One command from rank 0, mirrored on a follower (see :class:`ClusterReplica` for rank 0's side)."""
     if op == STEP:
-        trainer.step(arg)  # arg: rank 0's global step (the lr schedule)
+        trainer.step(arg)  # arg: rank 0's schedule_step (the swarm's position in the lr schedule)
     elif op == PARAMS:
         fsdp.load({}) if fsdp else cluster.broadcast_params(params)
     elif op == STATE:
@@ -81,6 +80,6 @@ def _obey(op: int, arg: int, cluster: Cluster, trainer: ClusterTrainer, fsdp: Fs
     elif op == OPTIM and fsdp:
         fsdp.gather_optimizer()
     elif op == EVAL and fsdp:
-        evaluate(trainer.model, eval_set, cluster.device, cfg.train.autocast)
+        fsdp.evaluate(eval_set, cluster.device, cfg.train.autocast)
     else:
         raise RuntimeError(f"rank {cluster.rank}: unexpected command {NAMES.get(op, op)} from rank 0")

@@ -45,14 +45,14 @@ class Spec:
 
 
 CATALOGUE: dict[Event, Spec] = {
-    Event.ROUND_START: Spec("a round's inner steps begin (from theta with ``digest``)", ("digest",)),
-    Event.INNER_PROGRESS: Spec("every 10 inner steps and at the last; ``global_step``: this peer's inner steps "
+    Event.ROUND_START: Spec("a round's inner steps begin (from θ with `digest`)", ("digest",)),
+    Event.INNER_PROGRESS: Spec("every 10 inner steps and at the last; `global_step`: this peer's inner steps "
                                "so far, all rounds", ("inner_step", "loss", "global_step")),
     Event.INNER_DONE: Spec("the end of a round's inner training", ("inner_steps", "tokens", "seconds")),
     Event.ALLREDUCE_START: Spec("an all-reduce attempt begins, with the deadlines in force",
                                 ("expected_group_size", "attempt", "straggler_s", "allreduce_s", "matchmaking_s")),
     Event.ALLREDUCE_RUNNING: Spec("the group is assembled, tensors are flowing", ("attempt",)),
-    Event.ALLREDUCE_DONE: Spec("the average is here (``lone``: a solo step, nobody else was live)",
+    Event.ALLREDUCE_DONE: Spec("the average is here (`lone`: a solo step, nobody else was live)",
                                ("group_size", "bytes_sent", "bytes_received", "seconds"), ("lone",)),
     Event.ALLREDUCE_FAILED: Spec("the attempt failed; nothing was applied", ("reason", "attempt")),
     Event.STRAGGLERS_DROPPED: Spec("round-mates still training were left out after the straggler deadline",
@@ -60,12 +60,13 @@ CATALOGUE: dict[Event, Spec] = {
     Event.CONTRIBUTION_EXCLUDED: Spec("our reducer left that peer's pseudo-gradient out of the round",
                                       ("peer", "reason")),
     Event.DIGEST_MISMATCH: Spec("a group member started the round from other global weights", ("ours", "theirs")),
-    Event.OUTER_STEP: Spec("theta(round) is applied (``inner_steps``: ours in it)", ("digest", "inner_steps")),
-    Event.EVAL: Spec("eval loss of theta(round) on the shared held-out split", ("loss",)),
+    Event.OUTER_STEP: Spec("θ(round) is applied (`inner_steps`: ours in it)", ("digest", "inner_steps")),
+    Event.EVAL: Spec("eval loss of θ(round) on the shared held-out split", ("loss",)),
     Event.STATE_DOWNLOAD_START: Spec("downloading the swarm's state from a donor", ("from_peer",)),
-    Event.STATE_DOWNLOAD_FAILED: Spec("that donor's state did not arrive or did not check out", ("from_peer", "reason")),
-    Event.STATE_LOADED: Spec("theta(round) and its momentum taken from a donor", ("from_peer", "digest")),
-    Event.DESYNC_DETECTED: Spec("our theta is not the majority's: repairing", ("ours", "majority")),
+    Event.STATE_DOWNLOAD_FAILED: Spec("that donor's state did not arrive or did not check out",
+                                      ("from_peer", "reason")),
+    Event.STATE_LOADED: Spec("θ(round) and its momentum taken from a donor", ("from_peer", "digest")),
+    Event.DESYNC_DETECTED: Spec("our θ is not the majority's: repairing", ("ours", "majority")),
     Event.CHECKPOINT_SAVED: Spec("a round-boundary checkpoint is on disk", ("path", "digest")),
     Event.RESUMED: Spec("continued from a checkpoint", ("digest", "path")),
 }
@@ -86,8 +87,8 @@ def check(name: str, fields: dict) -> str | None:
 
 def render() -> str:
     """The README's event list (one line per event, Markdown)."""
-    lines = ["One JSON object per line with `t`, `event`, `round` (the round the event belongs to; events about "
-             "theta(k) say k), and:", ""]
+    lines = ["One JSON object per line with `t` (unix time), `event` and `round` (the round the event belongs to: "
+             "the events of round k, which starts from θ(k−1), and those about θ(k) say k), and:", ""]
     for event, spec in CATALOGUE.items():
         names = [f"`{f}`" for f in spec.fields] + [f"`{f}` (optional)" for f in spec.optional]
         lines.append(f"- `{event}`: {spec.doc}" + (f"; {', '.join(names)}" if names else ""))

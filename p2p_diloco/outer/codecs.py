@@ -3,7 +3,7 @@
 
 Every codec maps a flat fp32 tensor to bytes and back. Decoding is a pure function of the bytes, so every peer
 that decodes the same bytes gets the same bits; that, plus the reducer decoding its own encoded average instead
-of keeping the exact one (see :mod:`p2p_diloco.swarm.averager`), keeps the global weights bit-identical with
+of keeping the exact one (see :mod:`p2p_diloco.swarm.exact_averager`), keeps the global weights bit-identical with
 every codec. Reduction itself always happens in fp32.
 
 ``int8`` and ``int4`` are blockwise absmax quantizers: each block of ``block`` values is scaled by its largest

@@ -43,7 +43,7 @@ class GlobalState(ABC):
         """Extra arguments of the swarm factory (the shards this process averages)."""
         return {}
 
-    def attach(self, swarm: Any, replica: Any) -> None:
+    def attach(self, swarm: Any, replica: Any) -> None:  # noqa: B027 (a hook: most states need nothing here)
         """Called once the swarm is up and the trainer built (a sharded peer's ranks join the swarm here)."""
 
     @abstractmethod

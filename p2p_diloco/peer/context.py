@@ -60,7 +60,13 @@ class PeerContext:
         return self.clock.wait(self.stop, seconds)
 
     def emit(self, event: Event, round_: int, **fields: Any) -> None:
+        """An event about theta(``round_``) (an outer step, a download, an eval, a checkpoint)."""
         self.metrics.event(event, round_, **fields)
+
+    def emit_in_round(self, event: Event, held: int, **fields: Any) -> None:
+        """An event of the round that starts from theta(``held``): events call it by its number, ``held + 1``,
+        the index of the theta it produces (docs/glossary.md)."""
+        self.metrics.event(event, held + 1, **fields)
 
     def status(self, text: str) -> None:
         self.metrics.status(text)

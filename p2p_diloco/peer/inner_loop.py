@@ -55,7 +55,7 @@ class InnerLoop:
                 clock.wait(stop, cfg.debug.step_delay)  # tests and benchmarks only: a slow peer
         self.stats.tokens_trained += tokens
         self.stats.inner_steps += k
-        self.ctx.emit(Event.INNER_DONE, r + 1, inner_steps=k, tokens=tokens,
+        self.ctx.emit_in_round(Event.INNER_DONE, r, inner_steps=k, tokens=tokens,
                       seconds=round(clock.monotonic() - t0, 3))
         return tokens, k
 
@@ -65,7 +65,7 @@ class InnerLoop:
         self.ctx.swarm.update(inner_step=k, tokens=self.stats.tokens_trained + tokens, round_tokens=tokens,
                               **({} if by_target else {"tokens_per_s": round(rate, 1)}))  # (else: progress records)
         if k % PROGRESS_EVERY == 0 or k == H:
-            self.ctx.emit(Event.INNER_PROGRESS, r + 1, inner_step=k, loss=round(loss, 4),
+            self.ctx.emit_in_round(Event.INNER_PROGRESS, r, inner_step=k, loss=round(loss, 4),
                           global_step=self.stats.inner_steps + k)
         self.ctx.status(f"round {r + 1} inner_step {k}{'' if by_target else f'/{H}'} loss {loss:.3f} "
                         f"{rate:,.0f} tok/s")

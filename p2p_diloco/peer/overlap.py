@@ -67,7 +67,7 @@ class OverlapLoop:
                     pending = None
                     continue
                 r = pending_r + 1 if pending is not None else state.round  # the round this training is meant for
-                ctx.emit(Event.ROUND_START, r + 1, digest=state.digest)
+                ctx.emit_in_round(Event.ROUND_START, r, digest=state.digest)
                 tokens, steps = self.rounds.inner.train(r)
                 if ctx.stop.is_set():
                     break

@@ -45,7 +45,7 @@ class Rounds:
         """One blocking round from theta(r): inner steps, sync, outer step, boundary."""
         ctx = self.ctx
         r = ctx.state.round
-        ctx.emit(Event.ROUND_START, r + 1, digest=ctx.state.digest)
+        ctx.emit_in_round(Event.ROUND_START, r, digest=ctx.state.digest)
         tokens, steps = self.inner.train(r)
         if ctx.stop.is_set():
             return

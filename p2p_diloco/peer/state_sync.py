@@ -70,7 +70,7 @@ class StateSync:
         ctx = self.ctx
         log.error("round %d: our global weights (%s) differ from the majority (%s); repairing", r + 1,
                   ctx.state.digest[:12], action.digest[:12])
-        ctx.emit(Event.DESYNC_DETECTED, r + 1, ours=ctx.state.digest, majority=action.digest)
+        ctx.emit_in_round(Event.DESYNC_DETECTED, r, ours=ctx.state.digest, majority=action.digest)
         ctx.swarm.publish(phase=Phase.REPAIR)  # nobody waits for us or downloads from us meanwhile
         plan = Download(target=r, digest=action.digest, donors=action.donors, exact_round=True, reason=action.reason)
         if not self.load(plan):

@@ -60,7 +60,7 @@ class Syncer:
                 continue
             if isinstance(action, Solo):
                 log.info("round %d: %s; applying our own pseudo-gradient", r + 1, action.reason)
-                ctx.emit(Event.ALLREDUCE_DONE, r + 1, group_size=1, bytes_sent=0, bytes_received=0, seconds=0.0,
+                ctx.emit_in_round(Event.ALLREDUCE_DONE, r, group_size=1, bytes_sent=0, bytes_received=0, seconds=0.0,
                          lone=True)
                 self.last_group_size = 1
                 return True
@@ -75,7 +75,7 @@ class Syncer:
         if wait.observe(late, now):
             waited = now - wait.started
             log.warning("round %d: leaving out %d round-mate(s) still training after %.1f s", r + 1, len(late), waited)
-            self.ctx.emit(Event.STRAGGLERS_DROPPED, r + 1, peers=late, waited_s=round(waited, 2))
+            self.ctx.emit_in_round(Event.STRAGGLERS_DROPPED, r, peers=late, waited_s=round(waited, 2))
 
     def _all_reduce(self, r: int, buffer: list, tokens: int, action: AllReduce, attempt: int) -> bool:
         """One all-reduce attempt with the group ``action`` names. Matchmaking that expects a round-mate still
@@ -84,14 +84,14 @@ class Syncer:
         it into a smaller group leaves that round-mate waiting for our parts (measured: 10 s and a lost round)."""
         ctx = self.ctx
         ctx.swarm.publish(phase=Phase.SYNC)
-        ctx.emit(Event.ALLREDUCE_START, r + 1, expected_group_size=action.group_size, attempt=attempt,
+        ctx.emit_in_round(Event.ALLREDUCE_START, r, expected_group_size=action.group_size, attempt=attempt,
                  **self.deadlines.snapshot())
         ctx.status(f"round {r + 1} all-reduce: matchmaking with {action.group_size} peers (attempt {attempt})")
         running = []
 
         def on_running() -> None:
             running.append(True)
-            ctx.emit(Event.ALLREDUCE_RUNNING, r + 1, attempt=attempt)
+            ctx.emit_in_round(Event.ALLREDUCE_RUNNING, r, attempt=attempt)
 
         look = None if action.give_up_at is None else max(0.5, action.give_up_at - ctx.clock.monotonic())
         request = AllReduceRequest(
@@ -102,7 +102,7 @@ class Syncer:
         try:
             result = ctx.state.average(ctx.swarm, request)
         except RoundFailed as e:
-            ctx.emit(Event.ALLREDUCE_FAILED, r + 1, reason=str(e), attempt=attempt)
+            ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=str(e), attempt=attempt)
             if running:
                 self.deadlines.allreduce.backoff()
             elif action.all_in and not ctx.stop.is_set():
@@ -124,9 +124,9 @@ class Syncer:
         theirs = rules.group_mismatch(r, ctx.state.digest, result.gathered)
         if theirs is not None:
             log.error("round %d: group members started from different global weights: %s", r + 1, theirs)
-            ctx.emit(Event.DIGEST_MISMATCH, r + 1, ours=ctx.state.digest, theirs=theirs)
+            ctx.emit_in_round(Event.DIGEST_MISMATCH, r, ours=ctx.state.digest, theirs=theirs)
         for pid, reason in sorted(result.excluded.items()):  # our reducers left a bad contribution out
             log.warning("round %d: left out the contribution of peer %s: %s", r + 1, pid, reason)
-            ctx.emit(Event.CONTRIBUTION_EXCLUDED, r + 1, peer=pid, reason=reason)
-        ctx.emit(Event.ALLREDUCE_DONE, r + 1, group_size=result.group_size, bytes_sent=result.bytes_sent,
+            ctx.emit_in_round(Event.CONTRIBUTION_EXCLUDED, r, peer=pid, reason=reason)
+        ctx.emit_in_round(Event.ALLREDUCE_DONE, r, group_size=result.group_size, bytes_sent=result.bytes_sent,
                  bytes_received=result.bytes_received, seconds=round(result.seconds, 3))

@@ -5,7 +5,7 @@ enforced where it matters, on every allowed peer, by peer id. A peer id is the h
 (identity.py), which libp2p proves on every connection, so it cannot be claimed by someone without the key:
 
 * matchmaking: we neither accept a stranger into a group we lead nor join a group a stranger leads, and we refuse
-  any assembled group that contains a stranger (averager.py);
+  any assembled group that contains a stranger (exact_averager.py);
 * state: a stranger cannot download our state, and we never take a stranger as a donor;
 * records: a stranger's live record is ignored, so it is never waited for, counted in a vote, or a round-mate.
 

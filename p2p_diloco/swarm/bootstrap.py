@@ -36,7 +36,8 @@ class BootstrapNode:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches only us; we stop the DHT
         try:
             self.dht = hivemind.DHT(
-                start=True, initial_peers=self.initial_peers or None, host_maddrs=self.host_maddrs, announce_maddrs=self.announce_maddrs or None,
+                start=True, initial_peers=self.initial_peers or None, host_maddrs=self.host_maddrs,
+                announce_maddrs=self.announce_maddrs or None,
                 identity_path=identity.path, check_if_identity_free=not identity.fresh,
                 record_validators=[identity.validator], startup_timeout=self.startup_timeout, await_ready=True)
         except Exception as e:  # hivemind's P2PDaemonError etc. carry long texts

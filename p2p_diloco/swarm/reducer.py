@@ -2,7 +2,8 @@
 
 hivemind's ``TensorPartReducer`` adds each sender's part into a running sum as it arrives, so one NaN or one
 absurdly scaled pseudo-gradient poisons the whole slice for every peer. This reducer keeps the contributions of
-the current part instead, and once every sender's part is in hands them to :func:`p2p_diloco.outer.aggregation.aggregate`,
+the current part instead, and once every sender's part is in hands them to
+:func:`p2p_diloco.outer.aggregation.aggregate`,
 which leaves out the invalid ones and combines the rest (``outer.aggregation``). Each reducer does this for its own
 slice only, so the butterfly layout keeps the work local, and every peer receives the reducer's encoded result, so
 the outcome stays bit-identical across peers.

@@ -1,6 +1,6 @@
-"""The all-reduce runner of :class:`~p2p_diloco.swarm.averager.ExactAverager` on libp2p streams.
+"""The all-reduce runner of :class:`~p2p_diloco.swarm.exact_averager.ExactAverager` on libp2p streams.
 
-It makes hivemind's butterfly all-reduce exact and all-or-nothing (averager.py explains why), and reduces its
+It makes hivemind's butterfly all-reduce exact and all-or-nothing (exact_averager.py explains why), and reduces its
 own slice with :class:`~p2p_diloco.swarm.reducer.ValidatingPartReducer`, so that a bad contribution is left out,
 not averaged in (``outer.aggregation``).
 """

@@ -1,7 +1,7 @@
 """The real swarm: a :class:`~p2p_diloco.swarm.port.SwarmPort` over hivemind.
 
-A :class:`Swarm` owns one ``hivemind.DHT`` and one :class:`~p2p_diloco.swarm.averager.ExactAverager` for the
-whole run, or one per logical shard with ``outer.sharding = "sharded"`` (averaging.py); creating and destroying
+A :class:`Swarm` owns one ``hivemind.DHT`` and one :class:`~p2p_diloco.swarm.exact_averager.ExactAverager` for the
+whole run, or one per logical shard with ``outer.sharding = "sharded"`` (averagers.py); creating and destroying
 averagers on one DHT kills the DHT within a few cycles (field notes item 7). It offers the round protocol exactly
 the operations it needs:
 
@@ -32,8 +32,8 @@ from hivemind.utils import get_dht_time
 from ..config import Config
 from ..errors import ConfigMismatch, SwarmError
 from .allowlist import resolve_allowed_peers
-from ..protocol.records import PeerRecord, wire_fields
-from .averaging import Averagers, one_line
+from ..protocol.records import Phase, PeerRecord, wire_fields
+from .averagers import Averagers, one_line
 from .port import AllReduceRequest, AllReduceResult
 from .identity import Identity, OwnedRecordsValidator, records_by_owner
 from .schema import RunRecordsValidator, check_config_record, normalize_record
@@ -69,7 +69,7 @@ class Swarm:
         self.shards = list(shards) if shards is not None else None
         self.rank_of = list(rank_of) if rank_of is not None else None
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe for concurrent callers
-        self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": "join",
+        self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": Phase.JOIN.value,
                                         "client": self.sc.client_mode}
         self._record_lock = threading.Lock()
         self._stop = threading.Event()
@@ -123,7 +123,7 @@ class Swarm:
             self._owned = descendants() - before  # DHT, averager(s), p2pd: what shutdown() stops
             if not follower:
                 self._publish_config()
-                self.publish(phase="join")
+                self.publish(phase=Phase.JOIN)
         except BaseException:
             self.shutdown()  # a half-started peer must not leave its DHT/p2pd processes behind
             raise
@@ -142,7 +142,7 @@ class Swarm:
         try:
             if (self.dht is not None and self.dht.is_alive() and self.averagers is not None
                     and self.rank_of is None):
-                self.publish(phase="left", ttl=self.sc.heartbeat_period)
+                self.publish(phase=Phase.LEFT, ttl=self.sc.heartbeat_period)
         except Exception as e:  # leaving is best effort; the record also expires by itself
             log.debug("could not publish leave record: %r", e)
         if self.averagers is not None:  # first: they use the DHT
@@ -213,14 +213,14 @@ class Swarm:
                 self._seen[pid] = (record, expiration)
         self._seen = {pid: item for pid, item in self._seen.items() if item[1] > now}
         return {pid: PeerRecord.from_wire(rec) for pid, (rec, _) in self._seen.items()
-                if pid != self.peer_id and rec.get("fp") == self.fingerprint and rec.get("phase") != "left"}
+                if pid != self.peer_id and rec.get("fp") == self.fingerprint and rec.get("phase") != Phase.LEFT}
 
     def check_config(self) -> None:
         """Raise :class:`ConfigMismatch` naming the differences if a live peer of this run id uses another config."""
         live = self._read_dict(f"{self.run_id}.live")
         ours = self.cfg.fingerprint_fields()
         for pid, theirs in self._read_dict(f"{self.run_id}.config").items():
-            if pid == self.peer_id or pid not in live or live[pid].get("phase") == "left":
+            if pid == self.peer_id or pid not in live or live[pid].get("phase") == Phase.LEFT:
                 continue
             diffs = [f"{k}: ours {ours.get(k)!r}, theirs {theirs.get(k)!r}"
                      for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]

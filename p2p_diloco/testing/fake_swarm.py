@@ -28,7 +28,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigMismatch, RoundFailed
 from ..outer.optimizer import digest
-from ..protocol.records import PeerRecord, wire_fields
+from ..protocol.records import Phase, PeerRecord, wire_fields
 from ..swarm.port import AllReduceRequest, AllReduceResult
 from .fake_allreduce import Call, Group, matchmake
 from .sim import Killed, Simulation
@@ -138,7 +138,7 @@ class FakeSwarm:
         self.name = peer_id
         self.peer_id: str | None = None
         self.dead = False
-        self.record: dict[str, Any] = {"fp": cfg.fingerprint(), "round": 0, "phase": "join",
+        self.record: dict[str, Any] = {"fp": cfg.fingerprint(), "round": 0, "phase": Phase.JOIN.value,
                                        "client": cfg.swarm.client_mode}
         self.seen: dict[str, tuple[dict, float]] = {}
         self.stopped = net.clock.event()
@@ -148,14 +148,14 @@ class FakeSwarm:
     def start(self) -> None:
         ours = self.cfg.fingerprint_fields()
         for pid, theirs in self.net.configs.items():
-            alive = pid in self.net.read(self.name) and self.net.stored[pid][0].get("phase") != "left"
+            alive = pid in self.net.read(self.name) and self.net.stored[pid][0].get("phase") != Phase.LEFT
             diffs = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
             if alive and diffs and self.cfg.run.run_id == self.net.swarms[pid].cfg.run.run_id:
                 raise ConfigMismatch(f"run {self.cfg.run.run_id!r} already has peer {pid} with a different config "
                                      f"({', '.join(diffs)})")
         self.peer_id = self.name
         self.net.configs[self.name] = ours
-        self.publish(phase="join")
+        self.publish(phase=Phase.JOIN)
         self.net.sim.spawn(self._heartbeat, f"{self.name}:heartbeat")
 
     def _heartbeat(self) -> None:
@@ -165,7 +165,7 @@ class FakeSwarm:
     def shutdown(self) -> None:
         self.stopped.set()
         if self.peer_id is not None and not self.dead:
-            self.publish(phase="left", ttl=self.sc.heartbeat_period)
+            self.publish(phase=Phase.LEFT, ttl=self.sc.heartbeat_period)
 
     def visible_maddrs(self) -> list[str]:
         return [f"/sim/{self.name}"]
@@ -190,7 +190,7 @@ class FakeSwarm:
                 self.seen[pid] = (record, expiration)
         self.seen = {pid: item for pid, item in self.seen.items() if item[1] > now}
         return {pid: PeerRecord.from_wire(rec) for pid, (rec, _) in self.seen.items()
-                if pid != self.name and rec.get("fp") == self.cfg.fingerprint() and rec.get("phase") != "left"}
+                if pid != self.name and rec.get("fp") == self.cfg.fingerprint() and rec.get("phase") != Phase.LEFT}
 
     # ---------------------------------------------------------------------------------------------- averaging
     def _check_alive(self) -> None:

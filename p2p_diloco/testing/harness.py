@@ -1,10 +1,11 @@
-"""Protocol scenarios in one process: real peers (:class:`~p2p_diloco.peer.peer.Peer`, the real decisions, outer step and
-global state) on an in-memory swarm (:mod:`.fake_swarm`), with a fake model (:mod:`.fake_training`), on a virtual
-clock (:mod:`.sim`). A scenario of minutes of swarm time runs in well under a second, the same way every time.
+"""Protocol scenarios in one process: real peers (:class:`~p2p_diloco.peer.peer.Peer`, with the real decisions, outer
+step and global state) on an in-memory swarm (:mod:`.fake_swarm`), with a fake model (:mod:`.fake_training`), on a
+virtual clock (:mod:`.sim`). A scenario of minutes of swarm time runs in well under a second, the same way every time.
 
-    with SimSwarm(["--max-rounds", "3"]) as swarm:     # CLI-style settings shared by every peer
+    with SimSwarm(["run.max_rounds=3"]) as swarm:     # settings (section.key=value) of every peer
         a, b = swarm.add(), swarm.add()
-        swarm.when(b, lambda e: e["event"] == Event.ALLREDUCE_RUNNING and e["round"] == 2, lambda: swarm.net.kill(b.name))
+        running = lambda e: e["event"] == Event.ALLREDUCE_RUNNING and e["round"] == 2
+        swarm.when(b, running, lambda: swarm.net.kill(b.name))
         swarm.finish()
         assert a.summary()["rounds_completed"] == 3
 """

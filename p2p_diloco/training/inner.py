@@ -1,8 +1,9 @@
 """Inner training: AdamW steps on the peer's own data, and evaluation.
 
 Nothing here knows about the swarm. The inner optimizer state is local and never synchronised (DiLoCo found that
-syncing it costs 3x the traffic for no gain). The learning-rate schedule is a function of the *global* inner step
-(``round * H + inner_step``), so a peer that joins at round 40 uses the swarm's current lr instead of re-warming.
+syncing it costs 3x the traffic for no gain). The learning-rate schedule is a function of the *schedule step*, the
+swarm's position in it (``(round - 1) * H + inner step``; docs/glossary.md), so a peer that joins at round 40 uses
+the swarm's current lr instead of re-warming.
 
 Under torchrun the same trainer runs on every local rank with a DDP or FSDP2 model (``cluster.ClusterTrainer``), and
 :class:`Replica` is what the round protocol touches of the model (``cluster.ClusterReplica`` does it through the
@@ -60,7 +61,7 @@ class InnerTrainer:
         model: a transformers causal LM (already on ``device``).
         cfg: the ``[train]`` section.
         next_batch: returns the next ``[batch, seq]`` LongTensor of token ids from this peer's data.
-        total_steps: cosine horizon in global inner steps (0 = constant lr after warmup).
+        total_steps: cosine horizon in schedule steps (0 = constant lr after warmup).
     """
 
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, next_batch: Callable[[], torch.Tensor],
@@ -75,9 +76,9 @@ class InnerTrainer:
             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
         )
 
-    def step(self, global_step: int) -> tuple[float, int]:
+    def step(self, schedule_step: int) -> tuple[float, int]:
         """One optimizer step (``grad_accum`` micro-batches). Returns (mean loss, tokens trained)."""
-        lr = lr_at(global_step, self.cfg, self.total_steps)
+        lr = lr_at(schedule_step, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()

@@ -10,7 +10,7 @@ from p2p_diloco.metrics.events import Event
 from p2p_diloco.checkpoint import CheckpointStore
 from p2p_diloco.testing.harness import SimSwarm
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.sim
 
 
 def _lone(tmp_path, name, extra=(), resume=None):

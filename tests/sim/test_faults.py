@@ -15,7 +15,7 @@ from p2p_diloco.outer.optimizer import digest
 from p2p_diloco.testing.harness import SimSwarm
 from tests.sim.helpers import assert_consistent, assert_no_solo_steps, finals, one_digest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.sim
 ALLREDUCE_TIMEOUT = 20.0  # the harness's swarm.allreduce_timeout
 
 
@@ -118,7 +118,8 @@ def test_joiner_moves_to_another_donor_when_one_dies_mid_transfer():
             killed["peer"] = donor
             swarm.sim.call_at(swarm.sim.now + 1.0, lambda: swarm.net.kill(donor.name))
 
-        swarm.when(c, lambda e: e["event"] == Event.STATE_DOWNLOAD_START, lambda: kill_donor(c.of(Event.STATE_DOWNLOAD_START)[0]))
+        swarm.when(c, lambda e: e["event"] == Event.STATE_DOWNLOAD_START,
+                   lambda: kill_donor(c.of(Event.STATE_DOWNLOAD_START)[0]))
         swarm.run_until(lambda: "peer" in killed)
         donor = killed["peer"]
         other = b if donor is a else a

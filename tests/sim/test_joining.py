@@ -14,7 +14,7 @@ from p2p_diloco.errors import ConfigMismatch
 from p2p_diloco.testing.harness import SimSwarm
 from tests.sim.helpers import assert_consistent, finals, one_digest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.sim
 
 
 def test_late_joiner_reaches_the_swarm_digest():
@@ -34,7 +34,8 @@ def test_restarted_peer_takes_the_swarm_state_when_the_swarm_is_ahead(tmp_path):
     with SimSwarm(["run.max_rounds=20"]) as swarm:
         a = swarm.add(sets=["swarm.min_peers=2"])
         b = swarm.add(sets=["swarm.min_peers=2", f"checkpoint.dir={ckpt}"])
-        swarm.when(b, lambda e: e["event"] == Event.CHECKPOINT_SAVED and e["round"] == 1, lambda: swarm.net.kill(b.name))
+        swarm.when(b, lambda e: e["event"] == Event.CHECKPOINT_SAVED and e["round"] == 1,
+                   lambda: swarm.net.kill(b.name))
         swarm.run_until(lambda: bool(a.of(Event.OUTER_STEP, round=3)))
         saved = CheckpointStore(ckpt).load()
         b2 = swarm.add(sets=[f"checkpoint.dir={ckpt}", "checkpoint.resume=true"], resume_from=saved, name="b2")

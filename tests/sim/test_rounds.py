@@ -10,7 +10,7 @@ from p2p_diloco.metrics.events import Event
 from p2p_diloco.testing.harness import SimSwarm
 from tests.sim.helpers import assert_consistent, assert_no_solo_steps, finals, one_digest
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.sim
 STALL, STALL_ROUND, FLOOR, ROUNDS, MATCHMAKING = 20.0, 4, 3.0, 5, 5.0
 
 

@@ -27,7 +27,7 @@ def make_tensors(i: int) -> list[torch.Tensor]:
 
 def die_mid_allreduce(after_parts: int) -> None:
     """Patch the sender so that the peer's whole process group is SIGKILLed after streaming ``after_parts`` parts."""
-    from p2p_diloco.swarm.averager import ExactAllReduceRunner
+    from p2p_diloco.swarm.exact_averager import ExactAllReduceRunner
 
     original = ExactAllReduceRunner._generate_input_for_peer
 
@@ -55,7 +55,7 @@ def die_mid_allreduce(after_parts: int) -> None:
 def slow_answers(delay: float) -> None:
     """Patch the reducer so that it hands each averaged part to the transport ``delay`` s late: our own outputs
     are then complete well before our answers to the other senders are (the race behind a short bytes_sent)."""
-    from p2p_diloco.swarm.averager import ExactAllReduceRunner
+    from p2p_diloco.swarm.exact_averager import ExactAllReduceRunner
 
     original = ExactAllReduceRunner.rpc_aggregate_part
 
@@ -73,7 +73,7 @@ def trailing_error() -> None:
     arrives after ``sender_timeout``). The senders then hold every part of our slice."""
     from hivemind.proto import averaging_pb2
 
-    from p2p_diloco.swarm.averager import ExactAllReduceRunner
+    from p2p_diloco.swarm.exact_averager import ExactAllReduceRunner
 
     original = ExactAllReduceRunner.rpc_aggregate_part
 
@@ -102,7 +102,7 @@ def main() -> None:
     import hivemind
 
     from p2p_diloco.outer.optimizer import digest
-    from p2p_diloco.swarm.averager import ExactAverager
+    from p2p_diloco.swarm.exact_averager import ExactAverager
     from p2p_diloco.swarm.compression import compression_for
 
     if args.die_after_parts is not None:

@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from p2p_diloco.cli import main as cli_main
-from p2p_diloco.swarm.averager import ExactAverager
+from p2p_diloco.swarm.exact_averager import ExactAverager
 
 
 def main(argv: list[str] | None = None) -> int:

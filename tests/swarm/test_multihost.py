@@ -14,7 +14,7 @@ from tests.swarm import netns
 from p2p_diloco.metrics import read_events
 from tests.swarm.helpers import FAULT, Proc, load_json
 
-pytestmark = [pytest.mark.swarm, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(300)]
 ROUNDS = 3
 REASON = netns.unavailable_reason()
 

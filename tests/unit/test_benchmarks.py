@@ -10,8 +10,8 @@ from p2p_diloco.config import load_config
 pytestmark = pytest.mark.unit
 
 MICRO = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2",
-         "model.intermediate_size=64", "data.seq_len=32", "data.batch_size=2", "data.max_bytes=400000", "data.eval_fraction=0.2",
-         "eval.batches=2", "train.warmup_steps=2"]
+         "model.intermediate_size=64", "data.seq_len=32", "data.batch_size=2", "data.max_bytes=400000",
+         "data.eval_fraction=0.2", "eval.batches=2", "train.warmup_steps=2"]
 
 
 def test_one_worker_fedavg_is_plain_training():

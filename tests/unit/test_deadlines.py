@@ -6,6 +6,8 @@ from p2p_diloco.config import Config, ConfigError
 from p2p_diloco.config.checks import validate
 from p2p_diloco.protocol.deadlines import Deadlines, RollingDeadline, StragglerWait
 
+pytestmark = pytest.mark.unit
+
 
 def test_rolling_deadline_uses_before_until_enough_samples_then_median_and_mad():
     d = RollingDeadline(floor=1.0, cap=100.0, before=100.0)

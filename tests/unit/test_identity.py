@@ -10,6 +10,8 @@ from hivemind.proto import crypto_pb2
 from p2p_diloco.errors import SwarmError
 from p2p_diloco.swarm.identity import Identity, load_identity, owner_of
 
+pytestmark = pytest.mark.unit
+
 
 def test_peer_id_is_libp2ps_id_of_the_key_and_the_file_is_reused(tmp_path):
     path = tmp_path / "id.key"

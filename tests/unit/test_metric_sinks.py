@@ -8,6 +8,8 @@ from p2p_diloco.errors import UsageError
 from p2p_diloco.metrics.sinks import FanOut, TensorBoardSink, WandbSink, check_sinks
 from p2p_diloco.metrics import EventLog
 
+pytestmark = pytest.mark.unit
+
 
 def test_tensorboard_sink_writes_scalars_readable_by_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

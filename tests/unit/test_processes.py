@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 _PROBE = textwrap.dedent("""
     import ctypes, sys
     from p2p_diloco.runtime.processes import keep_freed_memory

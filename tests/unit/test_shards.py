@@ -7,6 +7,8 @@ import torch
 from p2p_diloco.outer import optimizer as outer
 from p2p_diloco.outer.shards import Ranks, ShardedOuter, ShardLayout, global_digest, shard_digest
 
+pytestmark = pytest.mark.unit
+
 
 def _params(seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)

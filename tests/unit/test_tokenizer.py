@@ -57,7 +57,8 @@ def test_save_and_reload_with_auto_tokenizer(tok, tmp_path):
 
 def test_ids_are_identical_in_another_process(tok):
     code = (
-        "import sys; from p2p_diloco.training.tokenizer import build_tokenizer; from p2p_diloco.config import TokenizerConfig;"
+        "import sys; from p2p_diloco.training.tokenizer import build_tokenizer; "
+        "from p2p_diloco.config import TokenizerConfig;"
         "t = build_tokenizer(TokenizerConfig()); print(t(sys.argv[1])['input_ids'], t.backend_tokenizer.to_str())"
     )
     text = TEXTS[4] + " <|endoftext|> tail"

@@ -23,7 +23,7 @@ from ..outer.aggregation import Policy, corrupt_
 from ..outer.codecs import get_codec
 from ..errors import RoundFailed, SwarmError
 from .port import AllReduceResult
-from .averager import ExactAverager
+from .exact_averager import ExactAverager
 from .compression import compression_for
 from .fastpath import listen_socket
 
