@@ -92,7 +92,7 @@ class TrainConfig:
     inner_steps: int = 50  # H
     lr: float = 1e-3
     warmup_steps: int = 20
-    total_steps: int = 0  # cosine horizon in global inner steps; 0 = max_rounds * inner_steps (or constant)
+    total_steps: int = 0  # cosine horizon in schedule steps; 0 = max_rounds * inner_steps (or constant)
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9

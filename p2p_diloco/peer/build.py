@@ -51,6 +51,7 @@ def build_peer(cfg: Config, metrics: Metrics, swarm_factory: SwarmFactory, stop:
     training = Training(cfg, cluster)
     state = build_state(cfg, cluster, training.params)
     swarm = swarm_factory(cfg, state.tensors_like(), state.donate, **state.swarm_options())
-    ctx = PeerContext(cfg, clock or RealClock(), stop or threading.Event(), metrics, swarm, state, random.Random())
+    clock = clock or RealClock()
+    ctx = PeerContext(cfg, clock, stop or clock.event(), metrics, swarm, state, random.Random())
     log.info("model: %d parameters, fingerprint %s", count_parameters(training.model), cfg.fingerprint())
     return Peer(ctx, training, resumed=resumed, cluster=cluster, on_started=on_started)

@@ -113,7 +113,8 @@ class FakeNetwork:
         self.hidden.add((reader, owner))
 
     def hold(self, peer_id: str, round_: int, seconds: float) -> None:
-        """The peer's first all-reduce attempt for theta(``round_``) starts ``seconds`` late."""
+        """The peer's first all-reduce attempt of the round that starts from theta(``round_``) starts ``seconds``
+        late (the others wait in matchmaking meanwhile)."""
         self.holds[(peer_id, round_)] = seconds
 
     def _groups_of(self, peer_id: str) -> list[Group]:
