@@ -8,6 +8,8 @@ measured. Commands:
 * ``gloo``: rendezvous (not timed), one warm-up all-reduce, a barrier, then ``repeats`` timed all-reduces.
 * ``dht``: start this peer's ``hivemind.DHT`` (joining ``initial_peers``); answers its visible maddrs.
 * ``averager``: start a stock ``DecentralizedAverager`` (``kind="stock"``) or our ``ExactAverager`` with a codec.
+* ``commit``: one commit step's signature exchange among all workers (and the outer step's cost): see
+  ``benchmarks/_commit_cost.py``.
 * ``step``: restore the original tensors, set the round's group bits (ours), wait for the wall-clock time ``at``,
   start one averaging step and time it (see :func:`timed_step`).
 * ``close``: shut the averager down. ``exit``: shut everything down and leave.
@@ -193,6 +195,7 @@ class Worker:
     originals: list = field(default_factory=list)
     reference: list | None = None  # the exact mean; only rank 0 holds it (verification is rank 0's job)
     dht: object = None
+    swarm: object = None  # the DHT with Swarm's blob methods (the commit step)
     averager: object = None
     kind: str = ""
     timings: list = field(default_factory=list)
@@ -239,12 +242,29 @@ class Worker:
         return {"times": times, "max_err": err, "cpu": cpu}
 
     def cmd_dht(self, initial_peers: list) -> dict:
-        """Start the DHT; answer its visible multiaddrs."""
+        """Start the DHT, with a peer's identity and record validators (as ``Swarm`` does); answer its visible
+        multiaddrs and peer id."""
         import hivemind
 
+        from benchmarks._commit_cost import BareSwarm, dht_options
+
+        identity, options = dht_options()
         self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                                initial_peers=initial_peers or None)
-        return {"maddrs": [str(m) for m in self.dht.get_visible_maddrs()], "dht_pid": self.dht.pid}
+                                initial_peers=initial_peers or None, **options)
+        self.swarm = BareSwarm(self.dht, identity)
+        return {"maddrs": [str(m) for m in self.dht.get_visible_maddrs()], "dht_pid": self.dht.pid,
+                "peer_id": identity.peer_id}
+
+    def cmd_commit(self, at: float, round: int, members: list, outer: bool = False) -> dict:
+        """At ``at``, one commit step's signature exchange with ``members`` (benchmarks/_commit_cost.py); with
+        ``outer``, also the outer step before and after the commit step existed."""
+        from benchmarks._commit_cost import commit_seconds, outer_step_seconds
+
+        sleep_until(at)
+        out = {"commit_s": commit_seconds(self.swarm, members, round)}
+        if outer:
+            out["outer_old_s"], out["outer_new_s"] = outer_step_seconds(self.originals)
+        return out
 
     def cmd_averager(self, kind: str, codec: str | None = None, transport: str = "p2p") -> dict:
         """Start a stock (``kind="stock"``) or exact (``kind="exact"``, with ``codec``) averager on the payload;

@@ -38,6 +38,11 @@ uvloop run loop (C), and the top python functions of the rest. ``--profile-nativ
 it slows the averager about 2x). p2pd (Go) is invisible to py-spy: see the ``p2pd %`` column. By hand:
 ``py-spy record -o prof.svg --subprocesses --rate 200 -- .venv/bin/python -m benchmarks.allreduce --worker 1 ...``.
 
+The commit step (``benchmarks/_commit_cost.py``): after every successful ``ours:none/tcp`` step, all workers run
+the peer's own commit step (sign, publish, read every member's signature over the DHT with the run's validators),
+and once per N the outer step is timed as it was and as it is now; the line before the last gives the growth of
+the round's sync time, ``sync_growth_n<N>=<s>``.
+
 Usage: ``python -m benchmarks.allreduce [--quick] [--peers 2 4 8] [--mb 40] [--repeats 3] [--profile]``.
 ``--quick``: N in {2, 4}, 2 repeats, all methods and codecs. The last line is ``ratio_vs_gloo_n4_fp32=<x>``
 (ours:none/tcp data s / gloo s at N=4, i.e. our default fp32 sync path; ``nan``, with the reason on the line
@@ -93,6 +98,9 @@ class Row:
     max_err: float | None = None
     cpu_s: float | None = None  # CPU seconds per peer per step (all its processes), whole step
     p2pd_share: float | None = None  # share of that CPU spent in p2pd
+    commit_s: float | None = None  # the commit step's signature exchange (ours:none/tcp only)
+    outer_old_s: float | None = None  # the outer step and digest before the commit step existed
+    outer_new_s: float | None = None  # ... and with it (computed aside, digest of theta and momentum)
 
 
 def start_peers(opts: Options, n: int, env: dict) -> list[Peer]:
@@ -129,12 +137,13 @@ def run_gloo(peers: list[Peer], opts: Options) -> Row:
 
 
 def run_averager(peers: list[Peer], opts: Options, kind: str, codec: str | None, keys, roles: dict,
-                 transport: str = "p2p") -> Row:
-    """Start one averager per peer, time ``opts.repeats`` steps (each retried once on failure), close it."""
+                 transport: str = "p2p", ids: list[str] | None = None) -> Row:
+    """Start one averager per peer, time ``opts.repeats`` steps (each retried once on failure), close it. For our
+    default path (``none``/``tcp``) each successful step is followed by a commit step among ``ids``."""
     started = call_all(peers, 120, cmd="averager", kind=kind, codec=codec, transport=transport)
     roles[started[1]["averager_pid"] if len(started) > 1 else -1] = "averager"
     method = "hivemind" if kind == "stock" else f"ours:{codec}" + ("/tcp" if transport == "tcp" else "")
-    row, done = Row(len(peers), method), []
+    row, done, commits = Row(len(peers), method), [], []
     for k in range(opts.repeats):
         for attempt in (0, 1):
             answers = call_all(peers, 180, cmd="step", at=time.time() + 0.5, bits=format(next(keys), "024b"),
@@ -142,6 +151,9 @@ def run_averager(peers: list[Peer], opts: Options, kind: str, codec: str | None,
             failed = [a for a in answers if not a["ok"]]
             if not failed:
                 done.append(answers)
+                if ids and method == "ours:none/tcp":
+                    commits.append(call_all(peers, 120, cmd="commit", at=time.time() + 0.3, round=k, members=ids,
+                                            outer=k == 0))
                 break
             row.failures += [f"repeat {k} try {attempt} rank {a['rank']}: {a['error']}" for a in failed]
             print(f"  FAILED N={len(peers)} {row.method} repeat {k} try {attempt}: {failed[0]['error']}", flush=True)
@@ -156,6 +168,11 @@ def run_averager(peers: list[Peer], opts: Options, kind: str, codec: str | None,
         row.p2pd_share = sum(c.get("p2pd", 0.0) for c in cpu) / max(1e-9, sum(sum(c.values()) for c in cpu))
     errs = [a["max_err"] for answers in done for a in answers if a.get("max_err") is not None]
     row.max_err = max(errs) if errs else None
+    failed = [a["error"] for answers in commits for a in answers if not a["ok"]]
+    row.failures += [f"commit: {e}" for e in failed]
+    row.commit_s = median_max([[a for a in answers if a["ok"]] for answers in commits], "commit_s")
+    row.outer_old_s = median_max(commits[:1], "outer_old_s")
+    row.outer_new_s = median_max(commits[:1], "outer_new_s")
     return row
 
 
@@ -170,14 +187,16 @@ def run_swarm(opts: Options, n: int, env: dict, roles: dict) -> list[Row]:
         roles[hello[min(1, n - 1)]["pid"]] = "worker main"
         rows = [run_gloo(peers, opts)]
         print(f"  N={n} gloo {rows[0].data_s:.3f} s", flush=True)
-        first = call_all(peers[:1], 120, cmd="dht", initial_peers=[])[0]["maddrs"]
+        started = call_all(peers[:1], 120, cmd="dht", initial_peers=[])
+        first = started[0]["maddrs"]
         others = call_all(peers[1:], 120, cmd="dht", initial_peers=first)
+        ids = [a["peer_id"] for a in started + others]
         roles[others[0]["dht_pid"] if others else -1] = "dht"
         keys = iter(range(1, 2**24))
         methods = ([("stock", None, "p2p")] if opts.stock else []) + [
             ("exact", c, t) for t in ("p2p", "tcp") for c in opts.codecs]
         for kind, codec, transport in methods:
-            rows.append(run_averager(peers, opts, kind, codec, keys, roles, transport))
+            rows.append(run_averager(peers, opts, kind, codec, keys, roles, transport, ids))
             print(f"  N={n} {rows[-1].method} data {fmt(rows[-1].data_s)} s total {fmt(rows[-1].total_s)} s",
                   flush=True)
         call_all(peers, 120, cmd="exit")
@@ -213,6 +232,19 @@ def print_table(rows: list[Row], payload_mb: float) -> None:
     for r in rows:
         for failure in r.failures:
             print(f"failure: N={r.n} {r.method} {failure}")
+
+
+def commit_lines(rows: list[Row]) -> None:
+    """The commit step's cost next to the sync it follows (issue 17: at most +0.1 s at N=4, 40 MB)."""
+    for r in rows:
+        if r.commit_s is None or r.outer_old_s is None or r.outer_new_s is None:
+            continue
+        growth = r.commit_s + r.outer_new_s - r.outer_old_s
+        print(f"commit step N={r.n}: signature exchange {r.commit_s:.3f} s, outer step + digest "
+              f"{r.outer_old_s:.3f} s -> {r.outer_new_s:.3f} s; round sync {fmt(r.total_s)} s -> "
+              f"{fmt(r.total_s and r.total_s + growth)} s (+{growth:.3f} s)")
+    print(" ".join(f"sync_growth_n{r.n}={r.commit_s + r.outer_new_s - r.outer_old_s:.3f}" for r in rows
+                   if None not in (r.commit_s, r.outer_old_s, r.outer_new_s)) or "sync_growth: not measured")
 
 
 def ratio_line(rows: list[Row]) -> str:
@@ -328,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in opts.peers if opts.profile == "raw" else []:
         if (prof := opts.out_dir / f"profile_n{n}_rank1.txt").exists():
             summarize_profile(prof, roles.get(n, {}))
+    commit_lines(rows)
     print(ratio_line(rows))
     return 0
 

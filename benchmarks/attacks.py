@@ -5,7 +5,7 @@ peers see the same data in every arm; in all but the ``honest`` arms peer 3 send
 round (``--debug-corrupt-pseudo-gradient``). Reported per arm: the final eval loss of the global weights (one value:
 θ is bit-identical on every peer, checked), its ratio to the honest-only ``mean`` run, and the number of
 ``contribution_excluded`` events. The ``scale:1000 / no bound`` arm turns validation off (``outer.norm_bound=0``)
-to show what the defence is for.
+to show what the defence is for. ``train.total_steps`` is rounds x H: the inner lr decays over the run.
 
 Last line: ``loss_over_honest=<the largest ratio over the defended arms>``.
 
@@ -61,7 +61,8 @@ def run_arm(index: int, corruption: str, sets: list[str], args: argparse.Namespa
     """Four peers of one run; returns the final eval loss and the exclusions seen."""
     log_dir = out / f"arm{index}"
     run = ["--run-id", f"attacks-{index}-{int(time.time())}", "--max-rounds", str(args.rounds), "--inner-steps",
-           str(args.h), "--log-dir", str(log_dir), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *COMMON]
+           str(args.h), "--set", f"train.total_steps={args.rounds * args.h}",  # cosine decay over the run
+           "--log-dir", str(log_dir), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *COMMON]
     for item in sets:
         run += ["--set", item]
     procs: list[PeerProcess] = []

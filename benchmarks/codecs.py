@@ -5,7 +5,8 @@ Method:
    seed 0), take the pseudo-gradient theta - local, and encode -> decode it with every codec. Printed: relative L2
    error ||decoded - delta|| / ||delta||, max abs error, and bytes per value. No network.
 2. Eval loss: for every codec, ``p2p-diloco swarm --peers 3 --max-rounds R`` on 127.0.0.1 with
-   ``--set outer.compression=<codec>`` (everything else default), and the eval loss after the last round and
+   ``--set outer.compression=<codec>`` and ``train.total_steps`` = R x H (the inner lr decays over the run;
+   everything else default), and the eval loss after the last round and
    whether all digests agreed, from ``--summary-json``. Then ``none`` and ``int8`` again with ``outer.overlap``
    (the outer step one round late). Every run reads the same data (``--data-seed 1``: peer i reads order 1+i).
 
@@ -81,6 +82,7 @@ def _swarm_run(tmp: Path, codec: str, overlap: bool, rounds: int) -> str:
     summary = tmp / f"{name}.json"
     cmd = ["--peers", "3", "--max-rounds", str(rounds), "--run-id", f"codec-{codec}-{int(overlap)}",
            "--data-seed", "1", "--set", f"outer.compression={codec}",
+           "--set", f"train.total_steps={rounds * Config().train.inner_steps}",  # cosine decay over the run
            "--set", f"outer.overlap={str(overlap).lower()}", "--summary-json", str(summary),
            "--log-dir", str(tmp / name)]
     t0 = time.monotonic()

@@ -22,10 +22,11 @@ import numpy as np
 import torch
 
 from p2p_diloco.errors import UsageError
-from p2p_diloco.outer.optimizer import digest
+from p2p_diloco.outer.optimizer import digest, legacy_digest
 from p2p_diloco.outer.shards import global_digest, shard_digest
 
-FORMAT = 1
+FORMAT = 2  # 2: the digest covers theta and momentum, and the round certificate is kept
+OLD_FORMATS = {1}  # 1: digest of theta only, no certificate (whole theta only: read, and its digest recomputed)
 _NAME = re.compile(r"round-(\d{8,})\.pt")
 
 
@@ -39,7 +40,7 @@ class PeerState:
 
     round: int  # swarm round number r (theta is theta(r))
     fingerprint: str  # config fingerprint of the run that wrote the checkpoint
-    global_digest: str  # digest(theta), checked on load
+    global_digest: str  # digest(theta + momentum), checked on load
     theta: list[torch.Tensor]  # global weights
     momentum: list[torch.Tensor]  # outer Nesterov momentum buffers, one per tensor of theta
     model: dict  # model.state_dict() (local weights)
@@ -47,6 +48,7 @@ class PeerState:
     data: dict  # data stream cursor (plain Python values)
     rng: dict  # from capture_rng()
     extra: dict = field(default_factory=dict)  # counters: tokens_trained, rounds_participated, ...
+    certificate: dict | None = None  # the round certificate of theta(round), as Certificate.to_json(); None: none
 
 
 def capture_rng() -> dict:
@@ -206,7 +208,7 @@ def _read(path: Path, fingerprint: str | None) -> PeerState:
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__  # torch errors span several lines
         raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from exc
     version = payload.get("format") if isinstance(payload, dict) else None
-    if version != FORMAT:
+    if version != FORMAT and version not in OLD_FORMATS:
         raise CheckpointError(f"checkpoint {path} has unknown format {version!r} (expected {FORMAT})")
     types = {"round": int, "fingerprint": str, "global_digest": str, "theta": list, "momentum": list,
              "model": dict, "inner_optimizer": dict, "data": dict, "rng": dict, "extra": dict}
@@ -216,19 +218,26 @@ def _read(path: Path, fingerprint: str | None) -> PeerState:
     theta, momentum = payload["theta"], payload["momentum"]
     if not all(isinstance(t, torch.Tensor) for t in theta + momentum):
         raise CheckpointError(f"checkpoint {path} is corrupt: theta/momentum hold non-tensors")
+    if len(theta) != len(momentum) or any(t.shape != m.shape for t, m in zip(theta, momentum)):
+        raise CheckpointError(f"checkpoint {path} is corrupt: momentum does not match theta in count or shapes")
     shard_digests = payload["extra"].get("shard_digests")  # outer.sharding = sharded: theta is in shard files
     if shard_digests is not None:
         if theta or momentum or not isinstance(shard_digests, list) or \
                 global_digest(shard_digests) != payload["global_digest"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: its shard digests do not match its recorded digest")
-    elif digest(theta) != payload["global_digest"]:
-        raise CheckpointError(f"checkpoint {path} is corrupt: theta does not match its recorded digest")
-    if len(theta) != len(momentum) or any(t.shape != m.shape for t, m in zip(theta, momentum)):
-        raise CheckpointError(f"checkpoint {path} is corrupt: momentum does not match theta in count or shapes")
+        if version in OLD_FORMATS:
+            raise CheckpointError(f"checkpoint {path} is a sharded checkpoint of format {version}, written before "
+                                  "shard digests covered the momentum: it cannot be verified by this version")
+    elif (digest(theta + momentum) if version == FORMAT else legacy_digest(theta)) != payload["global_digest"]:
+        raise CheckpointError(f"checkpoint {path} is corrupt: theta and momentum do not match its recorded digest")
+    if version in OLD_FORMATS:
+        payload = dict(payload, global_digest=digest(theta + momentum), certificate=None)
+    if payload.get("certificate") is not None and not isinstance(payload["certificate"], dict):
+        raise CheckpointError(f"checkpoint {path} is corrupt: field 'certificate' is not a dict")
     if fingerprint is not None and payload["fingerprint"] != fingerprint:
         raise CheckpointError(f"checkpoint {path} belongs to another config "
                               f"(fingerprint {payload['fingerprint'][:16]}, this run {fingerprint[:16]})")
-    return PeerState(**{f.name: payload[f.name] for f in fields(PeerState)})
+    return PeerState(**{f.name: payload.get(f.name) for f in fields(PeerState)})
 
 
 _SHARD_NAME = re.compile(r"shard-(\d{4,})-round-(\d{8,})\.pt")
@@ -247,7 +256,8 @@ class ShardFiles:
 
     def save(self, j: int, round_: int, fingerprint: str, theta_j: torch.Tensor, momentum_j: torch.Tensor) -> None:
         atomic_save({"format": FORMAT, "shard": j, "round": round_, "fingerprint": fingerprint,
-                     "digest": shard_digest(theta_j), "theta": theta_j.clone(), "momentum": momentum_j.clone()},
+                     "digest": shard_digest(theta_j, momentum_j), "theta": theta_j.clone(),
+                     "momentum": momentum_j.clone()},
                     self.path(j, round_))
 
     def load(self, j: int, round_: int, fingerprint: str, want_digest: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,7 +267,7 @@ class ShardFiles:
             payload = torch.load(path, weights_only=True, map_location="cpu")
             theta_j, momentum_j = payload["theta"], payload["momentum"]
             ok = (payload["shard"] == j and payload["round"] == round_ and payload["fingerprint"] == fingerprint
-                  and theta_j.shape == momentum_j.shape and shard_digest(theta_j) == want_digest)
+                  and theta_j.shape == momentum_j.shape and shard_digest(theta_j, momentum_j) == want_digest)
         except Exception as exc:
             reason = " ".join(str(exc).split())[:200] or type(exc).__name__
             raise CheckpointError(f"cannot read shard checkpoint {path}: {reason}") from exc

@@ -74,6 +74,8 @@ def check_positive(cfg: Config) -> None:
         raise ConfigError(f"swarm.min_peers must be >= 1, got {cfg.swarm.min_peers}")
     if cfg.run.max_rounds < 0:
         raise ConfigError(f"run.max_rounds must be >= 0, got {cfg.run.max_rounds}")
+    if cfg.train.total_steps < 0:
+        raise ConfigError(f"train.total_steps must be >= 0 (0 = constant lr after warmup), got {cfg.train.total_steps}")
     if cfg.debug.step_delay < 0:
         raise ConfigError(f"debug.step_delay must be >= 0, got {cfg.debug.step_delay}")
 

@@ -33,7 +33,11 @@ Deadlines = Literal["adaptive", "fixed"]
 SHARDED_ONLY = frozenset({"outer.sharding", "outer.shards"})
 # Settings added after runs were made: fingerprinted only when not at their default, so a run (and its checkpoints)
 # made before they existed keeps its fingerprint, while peers that set them differently still cannot average.
-OMITTED_AT_DEFAULT = frozenset({"outer.aggregation", "outer.norm_bound", "outer.trim"})
+OMITTED_AT_DEFAULT = frozenset({"outer.aggregation", "outer.norm_bound", "outer.trim", "train.total_steps"})
+# Single settings of the other sections that every peer of a run must share: the seed of theta(0), the round mode,
+# and the horizon of the inner lr schedule (so that every peer trains a round with the same lr, whatever its
+# --max-rounds, and a run stopped and resumed with a larger --max-rounds continues exactly).
+FINGERPRINTED_SETTINGS = ("run.seed", "round.mode", "train.total_steps")
 
 
 @dataclass
@@ -92,7 +96,9 @@ class TrainConfig:
     inner_steps: int = 50  # H
     lr: float = 1e-3
     warmup_steps: int = 20
-    total_steps: int = 0  # cosine horizon in schedule steps; 0 = max_rounds * inner_steps (or constant)
+    # Cosine horizon in schedule steps, swarm-wide (fingerprinted; never derived from --max-rounds, so a run can be
+    # stopped and extended exactly); 0 = constant lr after warmup.
+    total_steps: int = 0
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -235,15 +241,19 @@ class Config:
 
     def fingerprint_fields(self) -> dict[str, Any]:
         """The settings that must agree for peers to average together (flattened ``section.key`` -> value)."""
-        out: dict[str, Any] = {"run.seed": self.run.seed, "round.mode": self.round.mode}
-        for section in ("model", "tokenizer", "outer"):
-            for key, value in dataclasses.asdict(getattr(self, section)).items():
-                name = f"{section}.{key}"
-                if name in SHARDED_ONLY and self.outer.sharding != "sharded":
-                    continue
-                if name in OMITTED_AT_DEFAULT and value == getattr(type(getattr(self, section))(), key):
-                    continue
-                out[name] = value
+        names = [*FINGERPRINTED_SETTINGS,
+                 *(f"{section}.{f.name}" for section in ("model", "tokenizer", "outer")
+                   for f in dataclasses.fields(getattr(self, section)))]
+        out: dict[str, Any] = {}
+        for name in names:
+            section, key = name.split(".")
+            obj = getattr(self, section)
+            value = getattr(obj, key)
+            if name in SHARDED_ONLY and self.outer.sharding != "sharded":
+                continue
+            if name in OMITTED_AT_DEFAULT and value == getattr(type(obj)(), key):
+                continue
+            out[name] = value
         return out
 
     def fingerprint(self) -> str:

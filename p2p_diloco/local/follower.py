@@ -11,6 +11,7 @@ import torch
 from ..config import Config
 from ..runtime.processes import keep_freed_memory
 from ..training.data import PackedStream, eval_batches
+from ..training.inner import schedule_horizon
 from ..training.model import build_model
 from ..training.tokenizer import build_tokenizer, vocab_size
 from .cluster import Cluster, ClusterTrainer, FsdpFullState
@@ -38,8 +39,7 @@ def follow(cfg: Config, cluster: Cluster) -> None:
         return
     assert op == INIT, NAMES.get(op, op)
     data = PackedStream(tokenizer, cfg.data, seed)
-    horizon = cfg.train.total_steps or cfg.run.max_rounds * cfg.train.inner_steps
-    trainer = ClusterTrainer(cluster, model, cfg.train, data.next_batch, horizon)
+    trainer = ClusterTrainer(cluster, model, cfg.train, data.next_batch, schedule_horizon(cfg))
     fsdp = FsdpFullState(model, trainer) if cluster.parallelism == "fsdp" else None
     eval_set = eval_batches(tokenizer, cfg.data, cfg.eval.batches) if fsdp else None
     try:

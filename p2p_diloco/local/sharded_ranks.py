@@ -10,7 +10,8 @@ joins rank 0's). The round protocol itself (who is live, the group size, straggl
 * ``SSYNC``: every rank all-reduces its shards with the same shards of the round's other peers, then the ranks
   agree (one all-reduce of success flags) to use the result only if *every* shard of *every* rank succeeded.
   Otherwise none is used and rank 0 retries, as after any failed all-reduce: a peer never applies half a round;
-* ``SSTEP``: the outer step on every shard, and the shard digests shared (global digest = hash of the L digests);
+* ``SSTEP``: the outer step on every shard, prepared aside (its digest shared), then committed or discarded once
+  the round's certificate is complete or not (global digest = hash of the L shard digests);
 * ``SLOAD``: theta into the model (one collective per parameter);
 * ``SDOWNLOAD``: every rank downloads its shards from the rank of the donor peer that keeps them (the donor
   publishes that map), checks each shard against its digest, and all ranks check that the shard digests hash to
@@ -97,10 +98,24 @@ class ShardedRank:
         result.excluded = {pid: reason for m in moved for pid, reason in m[2].items()}
         return result
 
-    def step(self, round_: int) -> str:
-        self._tell(SSTEP, [round_])
-        self.outer.step(self.buffer, round_)
-        return self.outer.refresh_digests()
+    def step(self, mode: str, round_: int = 0) -> str | None:
+        """*Collective.* ``mode`` "prepare": the outer step on copies of every shard, returning the global digest
+        it would give; "commit": take it as theta(``round_``), returning the new global digest; "discard"."""
+        self._tell(SSTEP, [mode, round_])
+        return self._step(mode, round_)
+
+    def _step(self, mode: str, round_: int) -> str | None:
+        if mode == "prepare":
+            digests = list(self.outer.digests)
+            for part in self.ranks.all_gather(self.outer.prepare(self.buffer)):
+                for j, d in part.items():
+                    digests[j] = d
+            return global_digest(digests)
+        if mode == "commit":
+            self.outer.commit(round_)
+            return self.outer.refresh_digests()
+        self.outer.discard()
+        return None
 
     def load(self, params: Sequence[torch.Tensor]) -> None:
         self._tell(SLOAD)
@@ -185,9 +200,8 @@ def obey(op: int, rank: ShardedRank, params: Sequence[torch.Tensor]) -> bool:
         except RoundFailed as e:
             log.info("rank %d: shard all-reduce not used: %s", rank.ranks.rank, e)
     elif op == SSTEP:
-        (round_,) = rank._tell(SSTEP, [None])
-        rank.outer.step(rank.buffer, round_)
-        rank.outer.refresh_digests()
+        mode, round_ = rank._tell(SSTEP, [None, None])
+        rank._step(mode, round_)
     elif op == SLOAD:
         rank.outer.load_into(params)
     elif op == SDOWNLOAD:

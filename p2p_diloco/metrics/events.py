@@ -27,6 +27,7 @@ class Event(StrEnum):
     STRAGGLERS_DROPPED = "stragglers_dropped"
     CONTRIBUTION_EXCLUDED = "contribution_excluded"
     DIGEST_MISMATCH = "digest_mismatch"
+    COMMIT_FAILED = "commit_failed"
     OUTER_STEP = "outer_step"
     EVAL = "eval"
     STATE_DOWNLOAD_START = "state_download_start"
@@ -60,7 +61,11 @@ CATALOGUE: dict[Event, Spec] = {
     Event.CONTRIBUTION_EXCLUDED: Spec("our reducer left that peer's pseudo-gradient out of the round",
                                       ("peer", "reason")),
     Event.DIGEST_MISMATCH: Spec("a group member started the round from other global weights", ("ours", "theirs")),
-    Event.OUTER_STEP: Spec("θ(round) is applied (`inner_steps`: ours in it)", ("digest", "inner_steps")),
+    Event.COMMIT_FAILED: Spec("the round's certificate was not complete in the commit window; nothing was applied",
+                              ("reason", "members")),
+    Event.OUTER_STEP: Spec("θ(round) is committed (`inner_steps`: ours in it; `certificate`: the id of the round "
+                           "certificate, signed by all `signers`)", ("digest", "inner_steps", "certificate",
+                                                                       "signers")),
     Event.EVAL: Spec("eval loss of θ(round) on the shared held-out split", ("loss",)),
     Event.STATE_DOWNLOAD_START: Spec("downloading the swarm's state from a donor", ("from_peer",)),
     Event.STATE_DOWNLOAD_FAILED: Spec("that donor's state did not arrive or did not check out",

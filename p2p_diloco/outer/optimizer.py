@@ -16,6 +16,8 @@ averages (the swarm layer guarantees that), every peer's theta and momentum stay
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, Sequence
 
 import torch
@@ -70,7 +72,14 @@ class OuterOptimizer:
     @torch.no_grad()
     def step(self, delta: Sequence[torch.Tensor]) -> None:
         """Apply one outer step with the averaged pseudo-gradient ``delta``."""
-        for t, d, buf in zip(self.theta, delta, self.momentum_buffers, strict=True):
+        self.step_on(self.theta, self.momentum_buffers, delta)
+
+    @torch.no_grad()
+    def step_on(self, theta: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                delta: Sequence[torch.Tensor]) -> None:
+        """:meth:`step` on other tensors than ours (copies of them: the result of a round before it commits),
+        with the same arithmetic, so the bits are the same."""
+        for t, d, buf in zip(theta, delta, buffers, strict=True):
             if self.momentum:
                 buf.mul_(self.momentum).add_(d)
             t.sub_(self._update(d, buf) * self.lr)
@@ -97,18 +106,56 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def load_state_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Inverse of :meth:`state_tensors` (shapes must match)."""
-        n = len(self.theta)
-        if len(tensors) != 2 * n:
-            raise ValueError(f"expected {2 * n} outer-state tensors, got {len(tensors)}")
+        """Inverse of :meth:`state_tensors`. Every count and shape is checked before anything is overwritten:
+        ValueError leaves the state as it was."""
+        problem = shape_problem(self.state_tensors(), tensors)
+        if problem:
+            raise ValueError(problem)
         for dst, src in zip(self.theta + self.momentum_buffers, tensors):
-            if dst.shape != src.shape:
-                raise ValueError(f"outer-state shape mismatch: {tuple(src.shape)} vs {tuple(dst.shape)}")
             dst.copy_(src.to(torch.float32))
 
 
+def shape_problem(ours: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor]) -> str | None:
+    """Why ``theirs`` cannot replace ``ours`` tensor by tensor (count or a shape), or None."""
+    if len(theirs) != len(ours):
+        return f"expected {len(ours)} outer-state tensors, got {len(theirs)}"
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if not isinstance(b, torch.Tensor) or a.shape != b.shape:
+            got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            return f"outer-state tensor {i}: {got} where {tuple(a.shape)} is needed"
+    return None
+
+
 def digest(tensors: Iterable[torch.Tensor]) -> str:
-    """SHA-256 over the raw bytes of ``tensors`` (in order): equal digests mean bit-identical weights."""
+    """SHA-256 over the SHA-256 of each tensor (its shape and raw bytes), in order: equal digests mean
+    bit-identical tensors. The tensors are hashed in parallel threads (hashlib releases the GIL), so theta and its
+    momentum together take about as long as theta alone did on two cores."""
+    parts = [t.detach().to("cpu").contiguous() for t in tensors]
+    if sum(t.numel() * t.element_size() for t in parts) < PARALLEL_BYTES:
+        hashes = [_tensor_hash(t) for t in parts]
+    else:
+        hashes = list(_hash_pool().map(_tensor_hash, parts))
+    return hashlib.sha256(("tree:" + ",".join(hashes)).encode()).hexdigest()
+
+
+PARALLEL_BYTES = 1 << 20  # below this, threads cost more than they save
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="digest"))
+    return _POOL[0]
+
+
+def _tensor_hash(t: torch.Tensor) -> str:
+    h = hashlib.sha256(str(tuple(t.shape)).encode())
+    h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
+    return h.hexdigest()
+
+
+def legacy_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """The digest of checkpoint format 1 (one SHA-256 over every tensor in order): only to read those files."""
     h = hashlib.sha256()
     for t in tensors:
         t = t.detach().to("cpu").contiguous()

@@ -23,6 +23,7 @@ import torch
 from ..checkpoint import CheckpointError
 from ..local.sharded_ranks import ShardedRank
 from ..protocol.actions import Download
+from ..protocol.certificate import Certificate
 from ..protocol.records import View
 from ..swarm.port import AllReduceRequest
 from .state import GlobalState, Tensors
@@ -42,6 +43,7 @@ class ShardedState(GlobalState):
         self.rank = ShardedRank(cfg, cluster, params)
         self.outer = self.rank.outer
         self.lock = self.outer.lock
+        self.certificate: Certificate | None = None
 
     @property
     def round(self) -> int:  # type: ignore[override]
@@ -91,8 +93,17 @@ class ShardedState(GlobalState):
         return self.rank.sync(args, gather=request.gather, should_stop=request.should_stop,
                               on_running=request.on_running)
 
-    def apply(self, average: Tensors) -> None:
-        self.rank.step(self.round + 1)  # ``average`` is the ranks' own buffer
+    def prepare(self, average: Tensors) -> str:
+        return self.rank.step("prepare")  # ``average`` is the ranks' own buffer
+
+    def commit(self, certificate: Certificate) -> None:
+        digest = self.rank.step("commit", self.round + 1)
+        if digest != certificate.statement.after:  # the same arithmetic twice: a bug if it differs
+            raise RuntimeError(f"committed digest {digest[:12]} is not the prepared {certificate.statement.after[:12]}")
+        self.certificate = certificate
+
+    def discard(self) -> None:
+        self.rank.step("discard")
 
     def lookahead(self, pseudo_gradient: Tensors, out: Tensors) -> None:
         self.outer.optimizer.lookahead(pseudo_gradient, out)
@@ -102,16 +113,19 @@ class ShardedState(GlobalState):
             raise NotImplementedError("a sharded state loads theta itself into the model")
         self.rank.load(replica.params)
 
-    def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View],
-              fingerprint: str) -> str | None:
+    def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View], fingerprint: str,
+              trust: Callable[[Certificate], str | None]) -> str | None:
         """Download theta(target) and the momentum shard by shard, each from the process of the donor that keeps
         it; nothing is taken unless every shard of every rank checks out."""
         record = read_view().get(donor)
         shard_peers = record.shard_peers if record is not None else None
         if not shard_peers or len(shard_peers) != self.rank.layout.num_shards:
             return "the donor publishes no map of its shards"
-        return self.rank.download({"shard_peers": list(shard_peers), "round": plan.target, "digest": plan.digest,
-                                   "exact_round": plan.exact_round})
+        problem = self.rank.download({"shard_peers": list(shard_peers), "round": plan.target,
+                                      "digest": plan.digest, "exact_round": plan.exact_round})
+        if problem is None:
+            self.certificate = None  # shard donations carry no certificate yet (docs/protocol.md)
+        return problem
 
     def save(self, directory: str, keep: Sequence[int]) -> tuple[Tensors, Tensors, dict]:
         """The shards go to per-shard files, written by every rank before rank 0 writes the checkpoint."""
@@ -124,3 +138,4 @@ class ShardedState(GlobalState):
         problem = self.rank.restore([directory, state.round, state.extra["shard_digests"]])
         if problem:
             raise CheckpointError(problem)
+        self.certificate = Certificate.from_json(state.certificate) if state.certificate else None

@@ -38,8 +38,9 @@ def global_digest(shard_digests: Sequence[str]) -> str:
     return hashlib.sha256(("sharded:" + ",".join(shard_digests)).encode()).hexdigest()
 
 
-def shard_digest(theta_j: torch.Tensor) -> str:
-    return outer.digest([theta_j])
+def shard_digest(theta_j: torch.Tensor, momentum_j: torch.Tensor) -> str:
+    """Shard j's digest: its theta and momentum (the whole outer state, as in ``rank0`` mode)."""
+    return outer.digest([theta_j, momentum_j])
 
 
 class ShardLayout:
@@ -136,6 +137,8 @@ class ShardedOuter:
         self.round = 0
         self.digests: list[str] = [""] * layout.num_shards
         self.digest = ""
+        self.aside: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # theta(round + 1) before it commits
+        self.prepared = False
         with torch.no_grad():
             self._from_model(params, self.theta, subtract=False)
         # the other ranks' shard digests arrive with the first refresh_digests() (no collective here: rank 0 may
@@ -183,7 +186,7 @@ class ShardedOuter:
 
     def refresh_digests(self) -> str:
         """*Collective.* Recompute our shards' digests, share them, return the global digest."""
-        mine = {j: shard_digest(self.theta[k]) for k, j in enumerate(self.owned)}
+        mine = {j: shard_digest(self.theta[k], self.momentum_buffers[k]) for k, j in enumerate(self.owned)}
         for part in self.ranks.all_gather(mine):
             for j, d in part.items():
                 self.digests[j] = d
@@ -195,15 +198,35 @@ class ShardedOuter:
         """The global digest with our own shards' digests recomputed (the others' as last shared)."""
         with self.lock:
             for k, j in enumerate(self.owned):
-                self.digests[j] = shard_digest(self.theta[k])
+                self.digests[j] = shard_digest(self.theta[k], self.momentum_buffers[k])
             self.digest = global_digest(self.digests)
             return self.digest
 
-    def step(self, delta: Sequence[torch.Tensor], round_: int) -> None:
-        """The outer step on our shards (then :meth:`refresh_digests`)."""
+    def prepare(self, delta: Sequence[torch.Tensor]) -> dict[int, str]:
+        """The outer step on copies of our shards, held until :meth:`commit` or :meth:`discard`; returns the
+        digests our shards would have (``{j: digest}``)."""
         with self.lock:
-            self.optimizer.step(delta)
-            self.round = round_
+            if self.aside is None:  # kept between rounds: committing swaps them with ours
+                self.aside = ([torch.empty_like(t) for t in self.theta],
+                              [torch.empty_like(m) for m in self.momentum_buffers])
+            theta, momentum = self.aside
+            for dst, src in zip(theta + momentum, self.theta + self.momentum_buffers):
+                dst.copy_(src)
+        self.optimizer.step_on(theta, momentum, delta)
+        self.prepared = True
+        return {j: shard_digest(theta[k], momentum[k]) for k, j in enumerate(self.owned)}
+
+    def commit(self, round_: int) -> None:
+        """Take the prepared step (then :meth:`refresh_digests`)."""
+        if not self.prepared or self.aside is None:
+            raise RuntimeError("commit() without prepare()")  # a bug of the caller
+        with self.lock:
+            old = (list(self.theta), list(self.momentum_buffers))
+            self.theta[:], self.momentum_buffers[:] = self.aside  # the same lists: the optimizer's too
+            self.aside, self.round, self.prepared = old, round_, False
+
+    def discard(self) -> None:
+        self.prepared = False
 
     def donation(self, j: int, fingerprint: str) -> tuple[dict, list[torch.Tensor]]:
         """What a peer downloading shard ``j`` from us gets: metadata and (theta_j, momentum_j)."""
@@ -228,7 +251,7 @@ class ShardedOuter:
             return "wrong shapes"
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             return "non-finite values"
-        if shard_digest(tensors[0].to(torch.float32)) != meta.get("shard_digest"):
+        if shard_digest(tensors[0].to(torch.float32), tensors[1].to(torch.float32)) != meta.get("shard_digest"):
             return "shard does not match its digest"
         return None
 

@@ -6,10 +6,11 @@ changes it). Two implementations: :class:`WholeState` keeps it whole in this pro
 "rank0"``), :class:`~p2p_diloco.outer.sharded_state.ShardedState` cut into logical shards across the local ranks
 (``"sharded"``). The round protocol never knows which one it has.
 
-The commit contract: theta only changes by :meth:`GlobalState.apply` (an outer step with an average the whole
-group computed, or a confirmed solo step), :meth:`GlobalState.fetch` (a state that checked out against the
-majority's digest) or :meth:`GlobalState.restore` (a verified checkpoint); ``round`` and ``digest`` change with it,
-under the same lock.
+The commit contract: theta only changes by :meth:`GlobalState.commit` (the outer step :meth:`GlobalState.prepare`
+computed from the average of a round, once that round's certificate is complete), :meth:`GlobalState.fetch` (a
+state that checked out against its digest and certificate) or :meth:`GlobalState.restore` (a verified checkpoint);
+``round``, ``digest`` and ``certificate`` change with it, under the same lock. ``digest`` covers the whole outer
+state, theta *and* the momentum: it is what certificates sign and what every download is checked against.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from ..errors import RoundFailed
 from ..protocol import rules
 from ..protocol.actions import Download
+from ..protocol.certificate import Certificate
 from ..protocol.records import View
 from . import optimizer as opt
 
@@ -30,14 +32,21 @@ Tensors = list[torch.Tensor]
 
 
 class GlobalState(ABC):
-    """theta, momentum, ``round`` (theta is theta(round)) and ``digest`` (of theta); see the module docstring.
-
-    ``replica`` arguments are the peer's :class:`~p2p_diloco.training.inner.Replica` (its local model).
+    """theta, momentum, ``round`` (theta is theta(round)), ``digest`` (of theta and momentum) and ``certificate``
+    (the round certificate that produced them; None for theta(0), or a state from before certificates); see the
+    module docstring. ``replica`` arguments are the peer's :class:`~p2p_diloco.training.inner.Replica`.
     """
 
     round: int
     digest: str
+    certificate: Certificate | None
     lock: threading.RLock  # held by every change of the state, and while a donation or a checkpoint reads it
+
+    @property
+    def chain_head(self) -> str:
+        """The id of the certificate of our state (:data:`~p2p_diloco.protocol.certificate.GENESIS` if none)."""
+        cert = self.certificate
+        return cert.id if cert is not None else ""
 
     def swarm_options(self) -> dict[str, Any]:
         """Extra arguments of the swarm factory (the shards this process averages)."""
@@ -71,8 +80,18 @@ class GlobalState(ABC):
         """All-reduce ``request.tensors`` (a buffer) in place; an :class:`AllReduceResult`, or RoundFailed."""
 
     @abstractmethod
-    def apply(self, average: Tensors) -> None:
-        """The outer step with the swarm's ``average``: theta(round) -> theta(round + 1)."""
+    def prepare(self, average: Tensors) -> str:
+        """Compute the outer step with the swarm's ``average`` (theta(round) -> theta(round + 1)) aside, without
+        changing the state, and return the digest it would have; it is held until :meth:`commit` or
+        :meth:`discard`."""
+
+    @abstractmethod
+    def commit(self, certificate: Certificate) -> None:
+        """Take the prepared step: theta(round + 1), certified by ``certificate``."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """Drop the prepared step (its round did not commit): the state stays theta(round)."""
 
     @abstractmethod
     def lookahead(self, pseudo_gradient: Tensors, out: Tensors) -> None:
@@ -83,10 +102,11 @@ class GlobalState(ABC):
         """Copy theta (or ``source``, in the layout of :meth:`new_buffer`) into the local model."""
 
     @abstractmethod
-    def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View],
-              fingerprint: str) -> str | None:
-        """Download the state ``plan`` asks for from ``donor`` and take it if it checks out; None once taken,
-        else why not (nothing is changed then)."""
+    def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View], fingerprint: str,
+              trust: Callable[[Certificate], str | None]) -> str | None:
+        """Download the state ``plan`` asks for from ``donor`` and take it if it checks out, its certificate
+        included (``trust``: why we may not follow a certificate, or None); None once taken, else why not
+        (nothing is changed then)."""
 
     @abstractmethod
     def save(self, directory: str, keep: Sequence[int]) -> tuple[Tensors, Tensors, dict]:
@@ -112,8 +132,13 @@ class WholeState(GlobalState):
         self.theta = self.optimizer.theta
         self.fingerprint = fingerprint
         self.lock = threading.RLock()
-        self.round, self.digest = 0, opt.digest(self.theta)
+        self.round, self.digest = 0, opt.digest(self.optimizer.state_tensors())
+        self.certificate: Certificate | None = None
         self.owner = ""  # our peer id, sent with donations
+        # theta(round + 1) and its momentum, computed aside until the round commits; the buffers are kept between
+        # rounds (committing swaps them with theta's), so preparing a step allocates nothing after the first
+        self._aside: Tensors | None = None
+        self._prepared = False
 
     def attach(self, swarm: Any, replica: Any) -> None:
         self.owner = swarm.peer_id or ""
@@ -123,7 +148,8 @@ class WholeState(GlobalState):
 
     def donate(self, *shard: int) -> tuple[dict, Tensors]:
         with self.lock:
-            meta = {"round": self.round, "digest": self.digest, "fp": self.fingerprint, "peer_id": self.owner}
+            meta = {"round": self.round, "digest": self.digest, "fp": self.fingerprint, "peer_id": self.owner,
+                    "certificate": None if self.certificate is None else self.certificate.to_json()}
             return meta, [t.clone() for t in self.optimizer.state_tensors()]
 
     def new_buffer(self) -> Tensors:
@@ -138,10 +164,33 @@ class WholeState(GlobalState):
     def average(self, swarm: Any, request: Any) -> Any:
         return swarm.all_reduce(request)
 
-    def apply(self, average: Tensors) -> None:
+    def prepare(self, average: Tensors) -> str:
         with self.lock:
-            self.optimizer.step(average)
-            self.round, self.digest = self.round + 1, opt.digest(self.theta)
+            ours = self.optimizer.state_tensors()
+            if self._aside is None:
+                self._aside = [torch.empty_like(t) for t in ours]
+            for dst, src in zip(self._aside, ours):
+                dst.copy_(src)
+        n = len(self.theta)
+        self.optimizer.step_on(self._aside[:n], self._aside[n:], average)
+        self._prepared = True
+        return opt.digest(self._aside)
+
+    def commit(self, certificate: Certificate) -> None:
+        if not self._prepared or self._aside is None:
+            raise RuntimeError("commit() without prepare()")  # a bug of the caller
+        with self.lock:
+            n = len(self.theta)
+            # swap in place: the lists (held by the optimizer and by us) stay the same objects
+            old_theta, old_momentum = list(self.theta), list(self.optimizer.momentum_buffers)
+            self.theta[:] = self._aside[:n]
+            self.optimizer.momentum_buffers[:] = self._aside[n:]
+            self._aside = old_theta + old_momentum
+            self.round, self.digest = self.round + 1, certificate.statement.after
+            self.certificate, self._prepared = certificate, False
+
+    def discard(self) -> None:
+        self._prepared = False
 
     def lookahead(self, pseudo_gradient: Tensors, out: Tensors) -> None:
         self.optimizer.lookahead(pseudo_gradient, out)
@@ -149,8 +198,8 @@ class WholeState(GlobalState):
     def load_into(self, replica: Any, source: Tensors | None = None) -> None:
         replica.load(self.theta if source is None else source)
 
-    def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View],
-              fingerprint: str) -> str | None:
+    def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View], fingerprint: str,
+              trust: Callable[[Certificate], str | None]) -> str | None:
         try:
             meta, tensors = swarm.download_state(donor)
         except RoundFailed as e:
@@ -158,12 +207,16 @@ class WholeState(GlobalState):
         got = meta.get("round") if isinstance(meta, dict) else None
         want, expected, vouch = rules.donation_target(plan.target, plan.digest, got, donor, read_view,
                                                       plan.exact_round)
-        problem = check_donated_state(meta, tensors, self.theta, fingerprint, want, expected, plan.exact_round)
+        problem = check_donated_state(meta, tensors, self.optimizer.state_tensors(), fingerprint, want, expected,
+                                      plan.exact_round)
         if problem or vouch:
             return problem or vouch
+        cert, problem = donated_certificate(meta, trust)
+        if problem:
+            return problem
         with self.lock:
-            self.optimizer.load_state_tensors(tensors)
-            self.round, self.digest = int(meta["round"]), meta["digest"]
+            self.optimizer.load_state_tensors(tensors)  # every shape was checked: nothing is half-written
+            self.round, self.digest, self.certificate = int(meta["round"]), meta["digest"], cert
         return None
 
     def save(self, directory: str, keep: Sequence[int]) -> tuple[Tensors, Tensors, dict]:
@@ -173,23 +226,26 @@ class WholeState(GlobalState):
         with self.lock:
             self.optimizer.load_state_tensors([*state.theta, *state.momentum])
             self.round, self.digest = state.round, state.global_digest
+            self.certificate = Certificate.from_json(state.certificate) if state.certificate else None
 
 
-def check_donated_state(meta: Any, tensors: Sequence[torch.Tensor], theta: Sequence[torch.Tensor],
+def check_donated_state(meta: Any, tensors: Sequence[torch.Tensor], ours: Sequence[torch.Tensor],
                         fingerprint: str, target: int, digest: str | None, exact_round: bool = False) -> str | None:
     """Why a downloaded ``(meta, theta + momentum)`` must be refused, or None if it is what we asked for.
+    ``ours``: our own theta and momentum (:meth:`OuterOptimizer.state_tensors`), whose shapes it must have.
 
     A donor could be buggy, of another config, already a round further, or (for repairs) not in the majority;
-    the digest is recomputed from the bytes received, so a transfer error cannot slip through either.
+    the digest (of theta *and* momentum) is recomputed from the bytes received, so neither a transfer error nor a
+    momentum of another shape can slip through.
     """
-    n = len(theta)
     if not isinstance(meta, dict) or not isinstance(meta.get("round"), int) or not isinstance(meta.get("digest"), str):
         return "malformed metadata"
-    if meta.get("fp") != fingerprint or len(tensors) != 2 * n:
-        return "fingerprint or tensor count mismatch"
-    if any(a.shape != b.shape for a, b in zip(theta, tensors)):
-        return "tensor shapes differ from our model"
-    if opt.digest(tensors[:n]) != meta.get("digest"):
+    if meta.get("fp") != fingerprint:
+        return "fingerprint mismatch"
+    shapes = opt.shape_problem(ours, tensors)
+    if shapes:
+        return shapes
+    if opt.digest(tensors) != meta.get("digest"):
         return "digest does not match its contents"
     if not all(bool(torch.isfinite(t).all()) for t in tensors):
         return "it holds non-finite values"
@@ -199,3 +255,22 @@ def check_donated_state(meta: Any, tensors: Sequence[torch.Tensor], theta: Seque
     if got == target and digest is not None and meta["digest"] != digest:
         return "it does not hold the majority's weights"
     return None
+
+
+def donated_certificate(meta: dict, trust: Callable[[Certificate], str | None]
+                        ) -> tuple[Certificate | None, str | None]:
+    """``(certificate, problem)``: the certificate a donated state comes with, checked: of exactly that state,
+    and one we trust (``trust``: complete, and tied to our chain or our trust root; see
+    :mod:`p2p_diloco.protocol.trust`). theta(0) needs none (every peer builds it from the config)."""
+    body = meta.get("certificate")
+    if body is None:
+        return None, (None if meta["round"] == 0 else f"no certificate for its round {meta['round']}")
+    try:
+        cert = Certificate.from_json(body)
+    except ValueError as e:
+        return None, str(e)
+    s = cert.statement
+    if s.round + 1 != meta["round"] or s.after != meta["digest"] or s.fingerprint != meta.get("fp"):
+        return None, "its certificate is of another state"
+    problem = trust(cert)
+    return (None, f"its certificate is not one we follow: {problem}") if problem else (cert, None)

@@ -73,7 +73,8 @@ class Checkpointer:
                     round=state.round, fingerprint=cfg.fingerprint(), global_digest=state.digest, theta=theta,
                     momentum=momentum, model=self.training.model_state(),
                     inner_optimizer=self.training.optimizer_state(), data=self.training.data_state(),
-                    rng=capture_rng(), extra={**extra, **more})
+                    rng=capture_rng(), extra={**extra, **more},
+                    certificate=None if state.certificate is None else state.certificate.to_json())
                 path = self.store.save(peer_state)
             except OSError as e:
                 log.error("checkpoint of round %d failed (the previous one is intact): %s", state.round, e)

@@ -100,7 +100,7 @@ class OverlapLoop:
         if isinstance(rules.decide_overlap_entry(r, ctx.view()), TrainAhead):
             ctx.swarm.publish(phase=Phase.JOIN)  # nobody waits for us in round r
             return ctx.clock.spawn(functools.partial(self._background_catch_up, r), "catch-up"), r
-        ctx.swarm.publish(phase=Phase.TRAIN, round=r, digest=ctx.state.digest)
+        ctx.announce(Phase.TRAIN)
         return None, -1
 
     def _background_round(self, r: int, buffer: list, tokens: int, steps: int) -> bool:
@@ -122,7 +122,7 @@ class OverlapLoop:
 
     def _announce(self) -> None:
         ctx = self.ctx
-        ctx.swarm.publish(phase=Phase.TRAIN, round=ctx.state.round, digest=ctx.state.digest)
+        ctx.announce(Phase.TRAIN)
         ctx.swarm.set_donor_round(ctx.state.round)
 
     def _land(self, pending: Task, stopping: bool = False) -> None:

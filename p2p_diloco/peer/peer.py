@@ -28,6 +28,7 @@ from ..checkpoint import PeerState
 from ..protocol import rules
 from ..protocol.actions import Leave, Start
 from ..protocol.records import Phase
+from .chain import Chain
 from .checkpoints import Checkpointer
 from .context import PeerContext, PeerStats
 from .inner_loop import InnerLoop
@@ -61,7 +62,9 @@ class Peer:
         self.ctx, self.training, self.resumed = ctx, training, resumed
         self.cluster, self.on_started = cluster, on_started
         self.stats = PeerStats()
-        self.state_sync = StateSync(ctx)
+        self.chain = Chain(ctx)
+        ctx.verify = self.chain.verified
+        self.state_sync = StateSync(ctx, self.chain)
         self.inner = InnerLoop(ctx, training, self.stats)
         self.syncer = Syncer(ctx, self.state_sync, self.stats)
         self.checkpoints = Checkpointer(ctx, training, self.stats, cluster)
@@ -120,7 +123,7 @@ class Peer:
     def _linger(self) -> None:
         """The run is over: stay a state donor for a while so a peer that missed the last round can catch up."""
         ctx = self.ctx
-        ctx.swarm.publish(phase=Phase.DONE, round=ctx.state.round, digest=ctx.state.digest)
+        ctx.announce(Phase.DONE)
         deadline = ctx.clock.monotonic() + ctx.cfg.swarm.state_timeout
         while not ctx.stop.is_set():
             action = rules.decide_linger(ctx.state.round, ctx.view(), ctx.clock.monotonic(), deadline,
@@ -135,7 +138,8 @@ class Peer:
         return {
             "peer_id": self.ctx.swarm.peer_id, "run_id": self.ctx.cfg.run.run_id,
             "rounds_completed": state.round, "rounds_participated": s.rounds_participated,
-            "global_digest": state.digest, "eval_loss_first": s.eval_first, "eval_loss_last": s.eval_last,
+            "global_digest": state.digest, "chain_head": state.chain_head,
+            "eval_loss_first": s.eval_first, "eval_loss_last": s.eval_last,
             "tokens_trained": s.tokens_trained, "bytes_sent": s.bytes_sent, "bytes_received": s.bytes_received,
             "stopped_early": not self.rounds.finished(),
         }

@@ -5,7 +5,8 @@ A round, seen from one peer holding the global weights theta(r) (bit-identical o
 1. start from theta(r) and run the inner AdamW steps on this peer's own data (:class:`~.inner_loop.InnerLoop`);
 2. ``pseudo_gradient = theta(r) - local weights`` (:meth:`GlobalState.pseudo_gradient`);
 3. average it, weighted by tokens trained, with *every* live peer of round r (:class:`~.syncer.Syncer`);
-4. apply the outer Nesterov step: theta(r+1) (:meth:`GlobalState.apply`);
+4. compute the outer Nesterov step aside, sign the round's statement with the group, and commit theta(r+1) once
+   every member signed (:class:`~.certifier.Certifier`, :meth:`GlobalState.commit`);
 5. the boundary: theta(r+1) into the model, announced, checkpointed, evaluated.
 
 Round numbers are swarm-wide: ``run.max_rounds`` R means "stop once theta(R) exists", for late joiners too.
@@ -58,11 +59,13 @@ class Rounds:
         """Average ``buffer`` (our pseudo-gradient from theta(``r``)) with the round's peers and apply the outer
         step: theta(r + 1). False if we fell behind, repaired or stopped instead."""
         ctx = self.ctx
-        if not self.syncer.sync(r, buffer, tokens):
+        certificate = self.syncer.sync(r, buffer, tokens)
+        if certificate is None:
             return False
-        ctx.state.apply(buffer)  # the buffer holds the swarm's average now
+        ctx.state.commit(certificate)  # the step prepared from the swarm's average, now that every member signed
         self.stats.rounds_participated += 1
-        ctx.emit(Event.OUTER_STEP, ctx.state.round, digest=ctx.state.digest, inner_steps=steps)
+        ctx.emit(Event.OUTER_STEP, ctx.state.round, digest=ctx.state.digest, inner_steps=steps,
+                 certificate=certificate.id, signers=len(certificate.signatures))
         return True
 
     def boundary(self, phase: Phase = Phase.TRAIN) -> None:
@@ -70,7 +73,7 @@ class Rounds:
         ctx = self.ctx
         ctx.state.load_into(self.training.replica)
         self.inner.stepped = False
-        ctx.swarm.publish(phase=phase, round=ctx.state.round, digest=ctx.state.digest, inner_step=0, round_tokens=0)
+        ctx.announce(phase, inner_step=0, round_tokens=0)
         ctx.swarm.set_donor_round(ctx.state.round)
         self.checkpoints.save()
         if ctx.state.round % ctx.cfg.eval.every_rounds == 0 or self.finished():

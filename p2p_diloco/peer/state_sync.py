@@ -1,9 +1,10 @@
 """Taking the swarm's state: joining, catching up after falling behind, repairing a theta the majority does not
 hold, and sitting a round out until the swarm holds the next theta.
 
-Every download goes to a peer holding the *majority* digest of the round it is taken from, is re-verified on
-arrival (:meth:`GlobalState.fetch <p2p_diloco.outer.state.GlobalState.fetch>`), and moves on to the next donor on
-any failure, so a dead, frozen, buggy or lying donor costs time, never correctness. The decisions are
+Every download goes to a peer holding the *majority* digest of the round it is taken from (among the records a
+certificate we trust backs: :class:`~.chain.Chain`), is re-verified on arrival, its certificate included
+(:meth:`GlobalState.fetch <p2p_diloco.outer.state.GlobalState.fetch>`), and moves on to the next donor on any
+failure, so a dead, frozen, buggy or lying donor costs time, never correctness. The decisions are
 :mod:`p2p_diloco.protocol.rules`'; this part carries them out.
 """
 
@@ -16,6 +17,7 @@ from ..metrics.events import Event
 from ..protocol import rules
 from ..protocol.actions import CatchUp, Download, Repair, Start, Stay, Wait
 from ..protocol.records import Phase
+from .chain import Chain
 from .context import PeerContext
 
 log = logging.getLogger("p2p_diloco.peer")
@@ -25,8 +27,8 @@ CATCH_UP_TRIES = 3  # reads of the records, each followed by a download from eve
 class StateSync:
     """Catch-up, repair and the join of a newcomer (module docstring)."""
 
-    def __init__(self, ctx: PeerContext):
-        self.ctx = ctx
+    def __init__(self, ctx: PeerContext, chain: Chain):
+        self.ctx, self.chain = ctx, chain
 
     def join(self, finished: Callable[[], bool]) -> Phase:
         """Take the swarm's state, then wait for a round boundary to start at (:func:`rules.decide_join`).
@@ -75,7 +77,7 @@ class StateSync:
         plan = Download(target=r, digest=action.digest, donors=action.donors, exact_round=True, reason=action.reason)
         if not self.load(plan):
             return  # retried at the next check; we stay out of the groups until then
-        ctx.swarm.publish(phase=Phase.REPAIR, digest=ctx.state.digest)
+        ctx.announce(Phase.REPAIR)
         self.wait_for_round_end(r, ctx.cfg.swarm.heartbeat_period)
 
     def wait_for_round_end(self, r: int, poll: float) -> None:
@@ -98,7 +100,7 @@ class StateSync:
         ctx = self.ctx
         for donor in plan.donors:
             ctx.emit(Event.STATE_DOWNLOAD_START, plan.target, from_peer=donor)
-            problem = ctx.state.fetch(ctx.swarm, donor, plan, ctx.view, ctx.cfg.fingerprint())
+            problem = ctx.state.fetch(ctx.swarm, donor, plan, ctx.view, ctx.cfg.fingerprint(), self.chain.trust)
             if problem:
                 log.warning("state from %s not used: %s; trying the next donor", donor, problem)
                 ctx.emit(Event.STATE_DOWNLOAD_FAILED, plan.target, from_peer=donor, reason=problem)

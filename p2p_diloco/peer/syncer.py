@@ -12,8 +12,12 @@ from ..metrics.events import Event
 from ..protocol import consensus, rules
 from ..protocol.actions import AllReduce, CatchUp, ConfirmAlone, Repair, Solo, Wait
 from ..protocol.deadlines import Deadlines, StragglerWait
+from ..protocol.liveness import Liveness
 from ..protocol.records import Phase
 from ..swarm.port import AllReduceRequest, AllReduceResult
+from ..protocol import commit
+from ..protocol.certificate import Certificate
+from .certifier import Certifier
 from .context import PeerContext, PeerStats
 from .state_sync import StateSync
 
@@ -26,11 +30,15 @@ class Syncer:
     def __init__(self, ctx: PeerContext, state_sync: StateSync, stats: PeerStats):
         self.ctx, self.state_sync, self.stats = ctx, state_sync, stats
         self.deadlines = Deadlines(ctx.cfg.swarm)
+        self.certifier = Certifier(ctx)
         self.last_group_size = 1  # of our last all-reduce (1: we stepped alone)
+        # round-mates that failed attempts with us: left out of group sizing for a cool-down (liveness.py)
+        self.liveness = Liveness(cool_down=ctx.cfg.swarm.round_timeout)
 
-    def sync(self, r: int, buffer: list, tokens: int) -> bool:
-        """Average ``buffer`` (our pseudo-gradient from theta(``r``)) in place with the round's group. True if it
-        now holds the average to apply; False if we fell behind, repaired or were stopped instead (theta is then
+    def sync(self, r: int, buffer: list, tokens: int) -> Certificate | None:
+        """Average ``buffer`` (our pseudo-gradient from theta(``r``)) in place with the round's group and certify
+        the outer step, prepared in the state (:meth:`GlobalState.prepare`). The round's complete certificate if
+        the step may be committed; None if we fell behind, repaired or were stopped instead (theta is then
         whatever the state sync left; nothing half-applied)."""
         ctx = self.ctx
         sc = ctx.cfg.swarm
@@ -39,36 +47,61 @@ class Syncer:
         ctx.swarm.publish(phase=Phase.SYNC)  # our pseudo-gradient for this round is ready
         while not ctx.stop.is_set():
             view, now = ctx.view(), ctx.clock.monotonic()
-            self._watch_stragglers(wait, consensus.training(view, r), r, now)
-            me = rules.SyncState(r, ctx.state.digest, wait.deadline, self.last_group_size, alone_since,
-                                 sc.peer_ttl + sc.heartbeat_period, ctx.cfg.outer.overlap)
+            me = rules.SyncState(r, ctx.state.digest, wait.deadline, alone_since=alone_since,
+                                 confirm_for=sc.peer_ttl + sc.heartbeat_period, overlap=ctx.cfg.outer.overlap,
+                                 cooling=self.liveness.cooling(now), round_deadline=wait.started + sc.round_timeout)
             action = rules.decide_sync(me, view, now)
+            if not isinstance(action, Wait):  # a Wait waits for round-mates still training: none is left out
+                self._watch_stragglers(wait, consensus.training(view, r), r, now)
+            if not isinstance(action, ConfirmAlone):
+                alone_since = None  # a round-mate's record showed: a confirmation starts over
             if isinstance(action, CatchUp):
                 self.state_sync.catch_up()
-                return False
+                return None
             if isinstance(action, Repair):
                 self.state_sync.repair(r, action)
-                return False
+                return None
             if isinstance(action, Wait):
                 ctx.sleep(action.seconds)
                 continue
             if isinstance(action, ConfirmAlone):
-                if alone_since is None or action.restart:
+                if alone_since is None:
                     alone_since = now
                     ctx.status(f"round {r + 1}: {action.reason}")
                 ctx.sleep(sc.heartbeat_period)
                 continue
             if isinstance(action, Solo):
-                log.info("round %d: %s; applying our own pseudo-gradient", r + 1, action.reason)
-                ctx.emit_in_round(Event.ALLREDUCE_DONE, r, group_size=1, bytes_sent=0, bytes_received=0, seconds=0.0,
-                         lone=True)
-                self.last_group_size = 1
-                return True
+                return self._solo(r, buffer, tokens, action)
             attempt += 1
-            if self._all_reduce(r, buffer, tokens, action, attempt):
+            certificate = self._all_reduce(r, buffer, tokens, action, attempt)
+            if certificate is not None:
+                self.liveness.succeeded(action.members or (), ctx.clock.monotonic())
                 wait.averaged(ctx.clock.monotonic())
-                return True
-        return False
+                return certificate
+            cooled = [] if ctx.stop.is_set() else self.liveness.failed(action.charged, ctx.clock.monotonic())
+            if cooled:
+                log.warning("round %d: %s failed %d attempts in a row with us: left out of our groups for a "
+                            "cool-down", r + 1, ", ".join(cooled), self.liveness.peers[cooled[0]].streak)
+        return None
+
+    def _solo(self, r: int, buffer: list, tokens: int, action: Solo) -> Certificate | None:
+        """We are the whole swarm: our pseudo-gradient is the average, and we alone sign its certificate."""
+        ctx = self.ctx
+        log.info("round %d: %s; applying our own pseudo-gradient", r + 1, action.reason)
+        ctx.emit_in_round(Event.ALLREDUCE_DONE, r, group_size=1, bytes_sent=0, bytes_received=0, seconds=0.0,
+                          lone=True)
+        self.last_group_size = 1
+        mine = {ctx.swarm.peer_id: {"round": r, "digest": ctx.state.digest, "tokens": tokens,
+                                    "head": ctx.state.chain_head}}
+        return self._certify(r, buffer, mine, ctx.clock.monotonic())
+
+    def _certify(self, r: int, buffer: list, gathered: dict, got_result_at: float) -> Certificate | None:
+        """Prepare the outer step with the average in ``buffer`` and certify it; on failure nothing is applied."""
+        statement = self.certifier.statement(r, self.ctx.state.prepare(buffer), gathered)
+        certificate = self.certifier.certify(r, statement, got_result_at)
+        if certificate is None:
+            self.ctx.state.discard()
+        return certificate
 
     def _watch_stragglers(self, wait: StragglerWait, late: list[str], r: int, now: float) -> None:
         """Feed the straggler deadline what we see (arrival offsets), and say when round-mates are left out."""
@@ -77,7 +110,8 @@ class Syncer:
             log.warning("round %d: leaving out %d round-mate(s) still training after %.1f s", r + 1, len(late), waited)
             self.ctx.emit_in_round(Event.STRAGGLERS_DROPPED, r, peers=late, waited_s=round(waited, 2))
 
-    def _all_reduce(self, r: int, buffer: list, tokens: int, action: AllReduce, attempt: int) -> bool:
+    def _all_reduce(self, r: int, buffer: list, tokens: int, action: AllReduce, attempt: int
+                    ) -> Certificate | None:
         """One all-reduce attempt with the group ``action`` names. Matchmaking that expects a round-mate still
         training ends at the straggler deadline (or after the matchmaking window, if that is later) by hivemind's
         own step timeout. Cancelling the step instead is worse: a step cancelled just as a round-mate's retry took
@@ -96,7 +130,8 @@ class Syncer:
         look = None if action.give_up_at is None else max(0.5, action.give_up_at - ctx.clock.monotonic())
         request = AllReduceRequest(
             round=r, tensors=buffer, weight=tokens, group_size=action.group_size,
-            gather={"round": r, "digest": ctx.state.digest, "tokens": tokens}, should_stop=ctx.stop.is_set,
+            gather={"round": r, "digest": ctx.state.digest, "tokens": tokens, "head": ctx.state.chain_head},
+            should_stop=ctx.stop.is_set,
             on_running=on_running, matchmaking_time=self.deadlines.get("matchmaking"),
             allreduce_timeout=self.deadlines.get("allreduce"), matchmaking_timeout=look)
         try:
@@ -107,9 +142,16 @@ class Syncer:
                 self.deadlines.allreduce.backoff()
             elif action.all_in and not ctx.stop.is_set():
                 self.deadlines.matchmaking.backoff()
-            return False
+            return None
+        got_result_at = ctx.clock.monotonic()
         self._done(r, result, action.all_in)
-        return True
+        problem = commit.group_problem(r, ctx.state.digest, ctx.swarm.peer_id or "", action.members,
+                                       action.group_size, result.gathered)
+        if problem:  # we do not sign: no certificate of this group can exist, and nobody applies its step
+            log.error("round %d: refusing the group: %s", r + 1, problem)
+            ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=f"refused the group: {problem}", attempt=attempt)
+            return None
+        return self._certify(r, buffer, result.gathered, got_result_at)
 
     def _done(self, r: int, result: AllReduceResult, all_in: bool) -> None:
         """Account for a successful all-reduce: deadlines, bytes, the group's digests, left-out contributions."""

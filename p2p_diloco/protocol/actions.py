@@ -55,11 +55,10 @@ class Repair(Action):
 
 @dataclass(frozen=True, kw_only=True)
 class ConfirmAlone(Action):
-    """No other live peer is in our round, but we averaged with others last time: before a solo step, make sure
-    for a record lifetime that they are gone, not just missing from one read. ``restart``: a round-mate's record
-    was seen again, so the confirmation starts over."""
-
-    restart: bool = False
+    """No live record holds back a solo step (none of a round-mate of ours): before taking one, make sure for a
+    record lifetime that none shows, not just that one read missed them. The confirmation runs as long as the
+    decisions are ``ConfirmAlone`` one after the other; any other decision (a round-mate's record showed) starts it
+    over."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,13 +71,23 @@ class AllReduce(Action):
     """Average with every live peer of our round: a group of exactly ``group_size`` (us included).
 
     ``all_in``: no round-mate is still training, so failing to assemble the group says the matchmaking window is
-    too short. ``give_up_at``: ``Clock.monotonic()`` at which matchmaking stops waiting for round-mates still
-    training (the straggler deadline), or None.
+    too short. ``members``: exactly these round-mates (and us) must be the group, or we do not sign its round
+    (:func:`~p2p_diloco.protocol.commit.group_problem`); None: any group of ``group_size`` will do.
+    ``give_up_at``: ``Clock.monotonic()`` at which matchmaking stops waiting for round-mates still training (the
+    straggler deadline), or None.
     """
 
     group_size: int
     all_in: bool
     give_up_at: float | None = None
+    members: tuple[str, ...] | None = None  # the round-mates counted (us excluded): a member signs for no other group
+
+    @property
+    def charged(self) -> tuple[str, ...]:
+        """The members a failure of this attempt is charged to (:mod:`~p2p_diloco.protocol.liveness`): all of them
+        when every one was ready to sync, none while round-mates still training were expected (they may only have
+        been late)."""
+        return tuple(self.members or ()) if self.give_up_at is None else ()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,7 +48,8 @@ class PeerRecord:
     client: bool = field(default=False, metadata=wire("bool"))  # client mode: accepts no inbound connection
     t: float | None = field(default=None, metadata=wire("finite"))  # the publisher's time.time()
     ready: bool = field(default=False, metadata=wire("bool"))  # data and model built: can start a round at once
-    digest: str = field(default="", metadata=wire("digest"))  # of theta(round)
+    digest: str = field(default="", metadata=wire("digest"))  # of theta(round) and its momentum
+    head: str = field(default="", metadata=wire("digest"))  # id of the round certificate of that state ("": none)
     inner_step: int | None = field(default=None, metadata=wire("count"))  # inner steps done in the round it trains
     tokens: int | None = field(default=None, metadata=wire("count"))  # tokens trained by this peer, all rounds
     round_tokens: int | None = field(default=None, metadata=wire("count"))  # tokens trained in this round

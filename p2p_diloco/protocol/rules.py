@@ -14,8 +14,9 @@ The moments, in the order of a peer's life: :func:`decide_first_round` (wait for
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from . import consensus
@@ -25,6 +26,7 @@ from .records import Phase, View
 
 JOIN_POLL = 0.2  # a newcomer waiting for a round boundary looks this often: the window to start in is short
 OVERLAP_POLL = 0.2  # an overlapped peer waiting for its round-mates to finish their inner steps
+TRAINING_POLL = 0.5  # no round-mate ready, some still training past the straggler deadline: look again this often
 
 
 def decide_first_round(view: View, min_peers: int, now: float, deadline: float, poll: float) -> Start | Wait:
@@ -81,68 +83,93 @@ class SyncState:
     Args:
         round: theta(round) is what this round started from.
         digest: its digest.
-        straggler_deadline: ``now`` after which round-mates still training are left out.
-        last_group_size: the size of our last all-reduce group (1: we were alone).
-        alone_since: when we started confirming that we are alone (None: not confirming).
-        confirm_for: how long to confirm (a record lifetime: ``swarm.peer_ttl`` + one heartbeat).
+        straggler_deadline: ``now`` after which round-mates still training are left out of a group of those ready.
+        alone_since: when the decisions started being :class:`ConfirmAlone`, one after the other (None: the last
+            decision was not one).
+        confirm_for: how long to confirm before a solo step (a record lifetime: ``swarm.peer_ttl`` + one heartbeat).
         overlap: ``outer.overlap`` (the sync runs in the background, behind the next round's inner steps).
+        cooling: peers cooling down after failing attempts with us (:mod:`~p2p_diloco.protocol.liveness`): left
+            out of the group, of the round-mates waited for, and of the records that hold back a solo step.
+        round_deadline: ``now`` after which round-mates still training no longer hold back a solo step (the start
+            of our sync + ``swarm.round_timeout``, the bound on any wait for one round).
     """
 
     round: int
     digest: str
     straggler_deadline: float
-    last_group_size: int = 1
     alone_since: float | None = None
     confirm_for: float = 0.0
     overlap: bool = False
+    cooling: frozenset[str] = field(default_factory=frozenset)
+    round_deadline: float = math.inf
 
 
 def decide_sync(s: SyncState, view: View, now: float
                 ) -> CatchUp | Repair | Wait | ConfirmAlone | Solo | AllReduce:
     """Our pseudo-gradient for the round after theta(``s.round``) is ready: what now? Checked in this order:
 
-    * the swarm is past our round, or will not follow us ahead → :class:`CatchUp` (our work is dropped);
+    * the swarm is past our round, or will not follow us ahead → :class:`CatchUp` (our work is dropped); peers
+      cooling down do not lead unless they are all there is;
     * the synced peers of our round mostly hold another digest than ours → :class:`Repair`;
     * the round's group is every live peer of our round, and round-mates still training count until the straggler
       deadline (after it only those ready to sync do); with ``overlap`` we wait until all of them are ready;
-    * nobody else is in our round → :class:`Solo`, first confirmed over a record lifetime
-      (:class:`ConfirmAlone`) if we averaged with others last time;
+      peers cooling down (``s.cooling``) count for nothing;
+    * nobody to group with, but round-mates still training past the straggler deadline → :class:`Wait` for them
+      (until ``s.round_deadline``): leaving them out is only for a group of the others, never for a solo step;
+    * nobody else is in our round → :class:`Solo`, once confirmed over a record lifetime (:func:`_alone`);
     * otherwise → :class:`AllReduce` with exactly that group.
     """
     r = s.round
-    if consensus.swarm_round(view) > r or consensus.alone_ahead(view, r):
+    # A peer cooling down can be ahead of the others only by a solo step (it is in no group of ours): following it
+    # would drop our round for its one-peer step. The others decide, unless every other peer is cooling down (then
+    # we may well be the broken one, and must not drift away from the swarm).
+    others = {pid: p for pid, p in view.items() if pid not in s.cooling}
+    leaders = others if consensus.synced(others) else view
+    if consensus.swarm_round(leaders) > r or consensus.alone_ahead(leaders, r):
         return CatchUp(reason=f"the swarm is past round {r} (or will not follow us): our round is lost")
     good = consensus.needs_repair(view, r, s.digest)
     if good is not None:
         donors = tuple(sorted(pid for pid, p in consensus.synced(view, r).items() if p.digest == good))
         return Repair(digest=good, donors=donors, reason=f"the majority of round {r} holds {good[:12]}")
-    late = consensus.training(view, r)
+    late = [pid for pid in consensus.training(view, r) if pid not in s.cooling]
     ready = (Phase.TRAIN, Phase.SYNC) if now <= s.straggler_deadline or not late else (Phase.SYNC,)
-    mates = sorted(pid for pid, p in view.items() if p.round == r and p.phase in ready)
+    mates = sorted(pid for pid, p in view.items() if p.round == r and p.phase in ready and pid not in s.cooling)
     if s.overlap and any(view[m].phase != Phase.SYNC for m in mates):
         # Overlapped peers start syncing as soon as their inner steps end, at different moments: matching now
         # would fix the group size before the slower ones (or a newcomer) are in, and whoever came first would
         # take their places. We are training meanwhile, so waiting costs nothing.
         return Wait(seconds=OVERLAP_POLL, reason="round-mates still training")
+    if not mates and late and now < s.round_deadline:
+        return Wait(seconds=TRAINING_POLL, reason=f"no round-mate ready; {len(late)} still training past the straggler "
+                                                  f"deadline, and a solo step beside them would shut them out")
     if not mates:
-        return _alone(s, view, now)
+        return _alone(s, now)
     give_up_at = s.straggler_deadline if late and ready != (Phase.SYNC,) else None
-    return AllReduce(group_size=len(mates) + 1, all_in=not late, give_up_at=give_up_at,
+    return AllReduce(group_size=len(mates) + 1, all_in=not late, give_up_at=give_up_at, members=tuple(mates),
                      reason=f"{len(mates)} round-mate(s) " + ("ready" if not late else f"({len(late)} training)"))
 
 
-def _alone(s: SyncState, view: View, now: float) -> ConfirmAlone | Solo:
-    """No round-mate to group with. A solo step taken while the others are alive would fork theta, so a peer that
-    averaged with others last round confirms first: for a full record lifetime no record of our round may show."""
-    if s.last_group_size <= 1:
-        return Solo(reason="no other live peer in this round")
+def _alone(s: SyncState, now: float) -> ConfirmAlone | Solo:
+    """No record holds back a solo step: no round-mate of ours (``train`` or ``sync`` in our round, not cooling
+    down; one training past ``s.round_deadline`` no longer counts). Step alone once that has held for a record
+    lifetime (``s.confirm_for``), whatever the size of our last group: one read of the records can miss some, and a
+    solo step beside a live round-mate forks theta or, beside a newcomer in its first round, shuts it out.
+
+    That costs a peer that is really alone one record lifetime per round (``swarm.peer_ttl`` + one heartbeat, 7 s
+    by default; tests/sim/test_liveness.py measures it). An empty view is no proof on its own even when we were
+    alone last round too: a newcomer in our round got theta(r) from us and started training since, and we have not
+    read the records since our last round ended.
+
+    Records of our round that do not hold it back: ``join`` and ``repair`` ones (those peers sit the round out and
+    wait for theta(r+1) from us: waiting for them would deadlock until their own ``swarm.round_timeout``; a newcomer
+    that does start in our round announces ``train`` at once, and counts then), and peers cooling down (a broken
+    peer stuck in our round would otherwise hold every solo step back forever; it failed
+    :data:`~p2p_diloco.protocol.liveness.STRIKES` attempts with us in a row)."""
     if s.alone_since is None:
-        return ConfirmAlone(reason="the other peers are gone; confirming before a solo step")
-    if consensus.synced(view, s.round):
-        return ConfirmAlone(restart=True, reason="a round-mate's record is still live")
+        return ConfirmAlone(reason="no round-mate's record; confirming for a record lifetime before a solo step")
     if now >= s.alone_since + s.confirm_for:
-        return Solo(reason=f"no other live peer in this round for {now - s.alone_since:.1f} s")
-    return ConfirmAlone(reason="confirming that the other peers are gone")
+        return Solo(reason=f"no round-mate's record for {now - s.alone_since:.1f} s")
+    return ConfirmAlone(reason="confirming that no round-mate is live")
 
 
 def decide_round_end(round_: int, view: View, now: float, deadline: float, poll: float) -> CatchUp | Stay | Wait:

@@ -85,6 +85,15 @@ class Identity:
         self.validator = RSASignatureValidator(self.key)
         self.peer_id = peer_id_of(self.key.get_public_key().to_bytes())
 
+    @property
+    def public_key(self) -> bytes:
+        """Our public key, in hivemind's encoding (:func:`peer_id_of` hashes it to our peer id)."""
+        return self.key.get_public_key().to_bytes()
+
+    def sign(self, data: bytes) -> bytes:
+        """Our signature over ``data`` (a round certificate's statement)."""
+        return self.key.sign(data)
+
     def subkey(self) -> bytes:
         """Our subkey in a shared DHT key: our peer id, then the owner marker that makes the record signed."""
         return self.peer_id.encode() + self.validator.local_public_key
@@ -105,6 +114,17 @@ def peer_id_of(public_key: bytes) -> str:
         encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo)
     proto = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     return PeerID(multihash.encode(hashlib.sha256(proto).digest(), multihash.coerce_code("sha2-256"))).to_base58()
+
+
+class RSAKeyBook:
+    """Checks a round certificate's signatures (:class:`~p2p_diloco.protocol.certificate.KeyBook`): the key must
+    hash to the peer id it signs for, and the signature must check out under it."""
+
+    def verify(self, peer_id: str, public_key: bytes, data: bytes, signature: bytes) -> bool:
+        try:
+            return peer_id_of(public_key) == peer_id and RSAPublicKey.from_bytes(public_key).verify(data, signature)
+        except Exception:  # a malformed key or signature from a peer is just not a valid signature
+            return False
 
 
 def owner_of(subkey) -> str | None:

@@ -12,9 +12,35 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from ..protocol.certificate import MAX_BYTES, KeyBook, Signer
 from ..protocol.records import PeerRecord
 
 StateProvider = Callable[..., tuple[dict, list[torch.Tensor]]]  # () or (shard) -> (metadata, tensors) to donate
+
+
+# Owned, signed blobs of every peer (put_blob / get_blobs: the round certificate exchange), at most this many bytes
+# each (every DHT node refuses a larger one: swarm/schema.py). Measured with protocol/commit.py's encodings: a "sig"
+# blob is ~960 bytes with 2048-bit RSA identities, ~1760 with 4096-bit ones; a 64-member "cert" ~62 KB (2048-bit)
+# or ~113 KB (4096-bit), hence certificate.MAX_BYTES. Mind the total of one key: a DHT reply carries every owner's
+# value of the key in one p2pd message, and a reply over 4 MiB is lost whole (measured: 3.9 MB read in 0.1 s, 4.5 MB
+# not at all): 64 peers that each keep a 64-member certificate under "cert" are already at that limit.
+BLOB_MAX_BYTES = {"sig": 4 * 1024, "cert": MAX_BYTES}
+BLOB_NAMES = tuple(BLOB_MAX_BYTES)
+
+
+def check_blob(name: str, value: bytes, ttl: float | None, peer_ttl: float) -> float:
+    """The lifetime of a blob to put (``ttl`` or ``peer_ttl``), if ``name``, ``value`` and ``ttl`` are valid; else
+    ``ValueError`` (the DHT would refuse it silently: a bug of the caller must fail loudly)."""
+    if name not in BLOB_MAX_BYTES:
+        raise ValueError(f"blob name must be one of {list(BLOB_NAMES)}, got {name!r}")
+    if not isinstance(value, bytes):
+        raise ValueError(f"a {name} blob must be bytes, got {type(value).__name__}")
+    if len(value) > BLOB_MAX_BYTES[name]:
+        raise ValueError(f"a {name} blob holds at most {BLOB_MAX_BYTES[name]} bytes, got {len(value)}")
+    ttl = ttl or peer_ttl
+    if not 0 < ttl <= peer_ttl:
+        raise ValueError(f"a blob's ttl must be in (0, swarm.peer_ttl={peer_ttl}], got {ttl}")
+    return ttl
 
 
 def _never() -> bool:
@@ -72,6 +98,8 @@ class SwarmPort(Protocol):
     :class:`~p2p_diloco.errors.RoundFailed`, a DHT that does not answer raises ``TimeoutError``."""
 
     peer_id: str | None  # set by start()
+    keys: KeyBook  # checks round certificates' signatures
+    signer: Signer | None  # our identity, signs round certificates (set by start())
 
     def start(self) -> None:
         """Join the swarm (refusing a config that differs from the live peers'), publish our first record."""
@@ -90,6 +118,19 @@ class SwarmPort(Protocol):
 
     def live_peers(self) -> dict[str, PeerRecord]:
         """Every other live peer of this run and config."""
+
+    def put_blob(self, name: str, value: bytes, ttl: float | None = None) -> None:
+        """Store ``value`` in our name under the run's key ``name`` (``"sig"`` or ``"cert"``), signed, expiring
+        ``ttl`` (at most, and by default, ``swarm.peer_ttl``) from now; at most ``schema.BLOB_MAX_BYTES[name]``
+        bytes. ``ValueError`` for another name, a larger value or a longer ttl. A put replaces our previous value
+        only if it expires later (hivemind keeps the latest expiration per owner)."""
+
+    def keep_blob(self, name: str, value: bytes) -> None:
+        """:meth:`put_blob` now, and again every half record lifetime until we leave (our head certificate)."""
+
+    def get_blobs(self, name: str) -> dict[str, bytes]:
+        """``{peer_id: value}`` of every peer's unexpired blob under ``name`` (ours included; only allowed peers in a
+        private run). Like :meth:`live_peers`, a read may miss some peers' values."""
 
     def all_reduce(self, request: AllReduceRequest) -> AllReduceResult:
         """One all-or-nothing all-reduce attempt (:class:`AllReduceRequest`)."""

@@ -9,6 +9,10 @@ that carries one), so readers only ever see records of the documented shape.
 The schema is strict: hivemind refuses a record that pydantic would have to convert (``t=1`` for a float field),
 so :func:`normalize_record` converts our own values first, and refuses loudly what it cannot fix: a record our
 own code got wrong must fail at the publisher, not make the peer silently invisible to the swarm.
+
+A valid signature only proves that *some* key signed a record, and any fresh key will do. So every DHT node also
+caps how far in the future a record of the run may expire and how large it may be (:class:`RecordLimitsValidator`):
+a claim stored once by a throw-away identity that then disconnects lives at most about one ``swarm.peer_ttl``.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from typing import Any, Dict, List, Literal, Optional, Union
 import pydantic.v1 as pydantic
 from hivemind.dht.routing import DHTID
 from hivemind.dht.schema import SchemaValidator
-from hivemind.dht.validation import RecordValidatorBase
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
 from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictInt, StrictStr
 
 from ..errors import SwarmError
 from ..protocol.records import Phase, PeerRecord
+from .port import BLOB_MAX_BYTES
 
 Count = pydantic.conint(strict=True, ge=0)
 Finite = pydantic.confloat(strict=True, allow_inf_nan=False)
@@ -64,15 +70,27 @@ LiveRecord = pydantic.create_model("LiveRecord", __base__=_LiveRecordBase,
                                    **{name: (Optional[kind], None) for name, kind in _FIELDS.items()})
 
 
+# Owned, signed blobs (``SwarmPort.put_blob``: the round certificate exchange), bounded by port.BLOB_MAX_BYTES.
+SigBlob = pydantic.conbytes(strict=True, max_length=BLOB_MAX_BYTES["sig"])
+CertBlob = pydantic.conbytes(strict=True, max_length=BLOB_MAX_BYTES["cert"])
+
+
 class _RunRecords(pydantic.BaseModel):
-    """The run's shared DHT keys (``{run_id}.live`` and ``{run_id}.config``) as SchemaValidator fields."""
+    """The run's shared DHT keys (``{run_id}.live``, ``.config``, ``.sig``, ``.cert``) as SchemaValidator fields.
+
+    Each is a dictionary keyed by owner subkeys (identity.py): SchemaValidator checks one ``{subkey: value}`` at a
+    time, so every field is a ``Dict[subkey, value]`` (a plain value under these keys is refused)."""
 
     live: Optional[Dict[StrictBytes, LiveRecord]] = None
     config: Optional[Dict[StrictBytes, ConfigRecord]] = None
+    sig: Optional[Dict[StrictBytes, SigBlob]] = None
+    cert: Optional[Dict[StrictBytes, CertBlob]] = None
 
     class Config:  # our own, so that SchemaValidator's patch of ``schema.Config`` stays ours
         extra = pydantic.Extra.forbid
 
+
+RUN_KEYS = tuple(_RunRecords.__fields__)  # the run's DHT keys are "{run_id}.{name}"
 
 _FLOAT_FIELDS = frozenset(name for name, field in LiveRecord.__fields__.items()
                           if isinstance(field.type_, type) and issubclass(field.type_, float))
@@ -139,3 +157,72 @@ class RunRecordsValidator(SchemaValidator):
             self._key_id_to_field_name.update(other._key_id_to_field_name)
             return True
         return super().merge_with(other)
+
+
+# ------------------------------------------------------------------------------------------------ record limits
+# How long each record of the run lives, in units of ``swarm.peer_ttl``: a live record (refreshed every heartbeat),
+# a sig/cert blob (put_blob's ttl is at most peer_ttl) and the config record (refreshed every 10th heartbeat, so it
+# lives longer: Swarm._publish_config).
+LIFETIMES = {"live": 1, "sig": 1, "cert": 1, "config": 5}
+# The longest peer_ttl a DHT node accepts from another peer, given its own: 1.5 x its own plus 5 s. The 5 s cover
+# clock skew between hosts (the DHT time is the wall clock; hivemind tolerates 3 s between nodes at bootstrap); a
+# record's lifetime only shrinks on its way to other nodes. peer_ttl is not in the config fingerprint, so nothing
+# else makes peers agree on it: a peer whose peer_ttl exceeds this bound has its records refused by our DHT node,
+# and a reply from a node holding one of them loses the whole key's dictionary (hivemind drops a dictionary reply
+# with any invalid entry), so such a peer is invisible to us and makes the key's other replicas matter more. Keep
+# peer_ttl the same on every peer of a run.
+TTL_SLACK_FACTOR, TTL_SLACK_S = 1.5, 5.0
+# The largest serialized value of each record, as a DHT node sees it: msgpack of the value plus the signature
+# hivemind appends ("[signature:<base64>]", 356 bytes for a 2048-bit key, 696 for 4096). A live record is ~300 bytes,
+# plus ~48 bytes per shard in ``shard_peers`` (sharded runs); a config record ~350 bytes, more with long strings.
+SIGNATURE_ROOM = 1024
+MAX_VALUE_BYTES = {"live": 16 * 1024, "config": 16 * 1024,
+                   **{name: limit + SIGNATURE_ROOM for name, limit in BLOB_MAX_BYTES.items()}}
+
+
+def ttl_cap(peer_ttl: float) -> float:
+    """The longest lifetime (seconds from now) a DHT node with this ``peer_ttl`` accepts for a record of lifetime
+    factor 1 (:data:`LIFETIMES`)."""
+    return TTL_SLACK_FACTOR * peer_ttl + TTL_SLACK_S
+
+
+class RecordLimitsValidator(RecordValidatorBase):
+    """DHT validator: a record of the run expires at most ``LIFETIMES[key] * ttl_cap(peer_ttl)`` seconds after the
+    node's current DHT time, and its serialized value is at most ``MAX_VALUE_BYTES[key]`` bytes.
+
+    Checked on every store this node receives (and its own), and on every record in a reply to our reads; hivemind
+    drops a dictionary reply if any of its entries fails. A remaining lifetime only shrinks, so a record that passed
+    once keeps passing when it is re-served or replicated later. Other keys (hivemind's own) pass.
+
+    Its priority (20) is above ``RSASignatureValidator``'s (10): these cheap checks run first, on the signed value as
+    stored (before the RSA verification, the signature regex and the schema's msgpack/pydantic parsing of a possibly
+    huge value), and its ``strip_value`` is the identity, so the order of stripping is unchanged.
+
+    Args:
+        run_id: the run whose keys are limited.
+        peer_ttl: this node's ``swarm.peer_ttl`` (see :data:`TTL_SLACK_FACTOR` about peers that use another one).
+    """
+
+    def __init__(self, run_id: str, peer_ttl: float):
+        cap = ttl_cap(peer_ttl)
+        self._limits = {DHTID.generate(source=f"{run_id}.{name}").to_bytes(): (LIFETIMES[name] * cap,
+                                                                                MAX_VALUE_BYTES[name])
+                        for name in RUN_KEYS}
+
+    @property
+    def priority(self) -> int:
+        return 20
+
+    def validate(self, record: DHTRecord) -> bool:
+        limits = self._limits.get(record.key)
+        if limits is None:
+            return True
+        max_lifetime, max_bytes = limits
+        return len(record.value) <= max_bytes and record.expiration_time - get_dht_time() <= max_lifetime
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        """Another run's limits add its keys (a node in two runs)."""
+        if not isinstance(other, RecordLimitsValidator):
+            return False
+        self._limits.update(other._limits)
+        return True

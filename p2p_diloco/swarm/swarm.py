@@ -10,6 +10,8 @@ the operations it needs:
   (records are signed with the peer's identity key, which is also its libp2p identity: see identity.py; every
   DHT node refuses a record that breaks its schema: see schema.py);
 * check that peers already in the run use the same model/tokenizer/outer config;
+* store and read small signed blobs per peer (``put_blob`` / ``get_blobs``: the round certificate exchange), with
+  the same ownership checks and a size and lifetime bound that every DHT node enforces (schema.py);
 * all-reduce a list of tensors with exactly ``group_size`` peers of the same round, all-or-nothing;
 * download (round, theta, momentum) from a given live peer (the round protocol picks it: consensus.py);
 * in a private run (``swarm.allowed_peers``), ignore every peer outside the list (allowlist.py).
@@ -20,6 +22,7 @@ No coordinator: every decision is taken locally from the DHT records, the same w
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -34,13 +37,43 @@ from ..errors import ConfigMismatch, SwarmError
 from .allowlist import resolve_allowed_peers
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from .averagers import Averagers, one_line
-from .port import AllReduceRequest, AllReduceResult
-from .identity import Identity, OwnedRecordsValidator, records_by_owner
-from .schema import RunRecordsValidator, check_config_record, normalize_record
+from .port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob
+from .identity import Identity, OwnedRecordsValidator, RSAKeyBook, records_by_owner
+from .schema import (LIFETIMES, RUN_KEYS, RecordLimitsValidator, RunRecordsValidator, check_config_record,
+                     normalize_record)
 from ..runtime.processes import descendants, keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
 DHT_CALL_TIMEOUT = 15.0
+
+
+async def _blocking_command_pipe(dht: hivemind.DHT, node) -> bool:
+    """Run inside the DHT process: make its end of the command pipe blocking again (see fix_command_pipe)."""
+    os.set_blocking(dht._inner_pipe.fileno(), True)
+    return os.get_blocking(dht._inner_pipe.fileno())
+
+
+def fix_command_pipe(dht: hivemind.DHT) -> None:
+    """Let ``dht`` take commands larger than 16 KiB (a ``put_blob`` of a certificate) without dying.
+
+    hivemind's DHT process reads its command pipe after uvloop's ``add_reader`` made it non-blocking, while
+    ``multiprocessing`` writes a message over 16 KiB as two writes (header, then payload): the reader gets
+    ``BlockingIOError`` mid-message, the command is lost (its caller times out) and the stream is out of step; the
+    next read can unpickle garbage and end the DHT process (``EOFError``/``UnpicklingError`` are not caught there).
+    Measured here: a single 40-65 KB ``store`` failed or killed the DHT in about half the tries; with the pipe
+    blocking, 60 stores of 40 KB to 1 MB all succeeded. (Several *processes* writing at once, e.g. ours and an
+    averager's, can still interleave messages under heavy load, even small ones: that is hivemind's, see the field
+    notes.)"""
+    if not dht.run_coroutine(_blocking_command_pipe, return_future=True).result(timeout=DHT_CALL_TIMEOUT):
+        raise SwarmError("could not make the DHT's command pipe blocking")
+
+
+def record_validators(identity: Identity, run_id: str, peer_ttl: float) -> list:
+    """The DHT validators of a peer of ``run_id``: its signature (identity.py), owned subkeys, the schemas and the
+    expiration/size limits of every key of the run (schema.py). Every DHT node of the run enforces them on store."""
+    keys = [f"{run_id}.{name}" for name in RUN_KEYS]
+    return [identity.validator, OwnedRecordsValidator(keys), RunRecordsValidator(run_id),
+            RecordLimitsValidator(run_id, peer_ttl)]
 
 
 class Swarm:
@@ -72,15 +105,24 @@ class Swarm:
         self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": Phase.JOIN.value,
                                         "client": self.sc.client_mode}
         self._record_lock = threading.Lock()
+        self._expiration = 0.0  # of the last version of our live record we stored
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.dht: hivemind.DHT | None = None
         self.peer_id: str | None = None  # ours, once started
         self.identity: Identity | None = None
         self._seen: dict[str, tuple[dict, float]] = {}  # live records read so far, with their DHT expiration
+        self._kept: dict[str, tuple[bytes, float]] = {}  # keep_blob: name -> (value, time.monotonic() of its put)
         self.averagers: Averagers | None = None
         self._owned: set[int] | None = None  # our processes (None until started: then every child is ours)
         self.allowed = resolve_allowed_peers(self.sc.allowed_peers)  # None: an open swarm (allowlist.py)
+
+    keys = RSAKeyBook()  # checks round certificates' signatures against peer ids
+
+    @property
+    def signer(self) -> Identity | None:
+        """Our identity: signs round certificates (None until started)."""
+        return self.identity
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -99,9 +141,7 @@ class Swarm:
                 startup_timeout=self.sc.startup_timeout, await_ready=True, identity_path=self.identity.path,
                 check_if_identity_free=not self.identity.fresh, client_mode=self.sc.client_mode,
                 use_relay=self.sc.use_relay, use_auto_relay=self.sc.use_auto_relay,
-                record_validators=[self.identity.validator,
-                                   OwnedRecordsValidator([f"{self.run_id}.live", f"{self.run_id}.config"]),
-                                   RunRecordsValidator(self.run_id)],
+                record_validators=record_validators(self.identity, self.run_id, self.sc.peer_ttl),
             )
         except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
             reap_children(timeout=5.0)
@@ -111,6 +151,7 @@ class Swarm:
             self.identity.close()  # p2pd has read it
         self.peer_id = self.dht.peer_id.to_base58()
         try:
+            fix_command_pipe(self.dht)
             if self.peer_id != self.identity.peer_id:  # our records are signed with the identity p2pd must use
                 raise SwarmError(f"p2pd runs as {self.peer_id}, not as our identity {self.identity.peer_id}")
             if not follower:
@@ -167,23 +208,62 @@ class Swarm:
             self._record.update(wire_fields(fields))
 
     def publish(self, ttl: float | None = None, **fields: Any) -> None:
-        """Change fields of our live record and store it now (round boundaries must be visible at once)."""
+        """Change fields of our live record and store it now (round boundaries must be visible at once).
+
+        A DHT node keeps, per owner, the version that expires *last*: a shorter ``ttl`` (the ``left`` record) is
+        stored as expiring just after the previous version, or it would be dropped and we would look alive."""
         with self._record_lock:
             self._record.update(wire_fields(fields))
             record = normalize_record(dict(self._record, t=time.time()))  # SwarmError: a bug of ours
-        expiration = get_dht_time() + (ttl or self.sc.peer_ttl)
+            expiration = max(get_dht_time() + (ttl or self.sc.peer_ttl), self._expiration + 1e-3)
+            self._expiration = expiration
         self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.identity.subkey())
 
     def _publish_config(self) -> None:
-        expiration = get_dht_time() + 5 * self.sc.peer_ttl
+        expiration = get_dht_time() + LIFETIMES["config"] * self.sc.peer_ttl
         fields = check_config_record(self.cfg.fingerprint_fields())  # SwarmError: a bug of ours
         self._dht_call("store", f"{self.run_id}.config", fields, expiration, subkey=self.identity.subkey())
+
+    def put_blob(self, name: str, value: bytes, ttl: float | None = None) -> None:
+        """Store ``value`` under ``{run_id}.{name}`` in our name, signed, expiring ``ttl`` (at most, and by default,
+        ``swarm.peer_ttl``) from now. ``name`` is ``"sig"`` or ``"cert"``, ``value`` at most
+        ``schema.BLOB_MAX_BYTES[name]`` bytes: anything else raises ``ValueError`` (the DHT would refuse it).
+
+        hivemind keeps, per owner, the value with the latest expiration: a put replaces our previous value only if it
+        expires later (with a constant ttl, every later put does)."""
+        ttl = check_blob(name, value, ttl, self.sc.peer_ttl)
+        self._dht_call("store", f"{self.run_id}.{name}", value, get_dht_time() + ttl, subkey=self.identity.subkey())
+
+    def keep_blob(self, name: str, value: bytes) -> None:
+        """:meth:`put_blob` now, and again from the heartbeat every half record lifetime until we leave."""
+        self.put_blob(name, value)
+        with self._record_lock:
+            self._kept[name] = (value, time.monotonic())
+
+    def _refresh_kept(self) -> None:
+        with self._record_lock:
+            due = {n: v for n, (v, t) in self._kept.items() if time.monotonic() - t >= self.sc.peer_ttl / 2}
+        for name, value in due.items():
+            self.put_blob(name, value)
+            with self._record_lock:
+                if self._kept.get(name, (None,))[0] is value:
+                    self._kept[name] = (value, time.monotonic())
+
+    def get_blobs(self, name: str) -> dict[str, bytes]:
+        """``{peer_id: value}``: every owner's unexpired value under ``{run_id}.{name}`` (ours included), only signed
+        ones whose key belongs to the peer id they name, and only allowed peers in a private run."""
+        if name not in BLOB_NAMES:
+            raise ValueError(f"blob name must be one of {list(BLOB_NAMES)}, got {name!r}")
+        found = records_by_owner(self._dht_call("get", f"{self.run_id}.{name}", latest=True))
+        return {owner: item.value for owner, item in found.items()
+                if isinstance(item.value, bytes) and (self.allowed is None or owner in self.allowed)}
 
     def _heartbeat_loop(self) -> None:
         beats = 0
         while not self._stop.wait(self.sc.heartbeat_period):
             try:
                 self.publish()
+                self._refresh_kept()
                 beats += 1
                 if beats % 10 == 0:
                     self._publish_config()

@@ -42,6 +42,7 @@ class Group:
     result: list[torch.Tensor] = field(default_factory=list)
     excluded: dict[str, str] = field(default_factory=dict)
     begin_time: float = 0.0
+    late: set[str] = field(default_factory=set)  # members that fail although the others got the average
 
     @property
     def members(self) -> list[str]:
@@ -101,6 +102,10 @@ class Group:
         average = get_codec(cfg.outer.compression).round_trip(average)
         self.excluded = {calls[i].swarm.peer_id: reason for i, reason in excluded.items()}
         self.result = [average]
+        for m in self.members:  # they read their answers too late: the others hold the complete result
+            if self.net.late.get(m, 0) > 0:
+                self.net.late[m] -= 1
+                self.late.add(m)
         self.ended.set()
 
     def result_like(self, tensors) -> list[torch.Tensor]:
@@ -114,12 +119,23 @@ class Group:
 
 def matchmake(net: Any, call: Call) -> None:
     """Add ``call`` to the calls looking for a group; form a group of every ``group_size`` calls with the same
-    run, round and group size, in the order they came."""
+    run, round and group size, in the order they came. A leader (:meth:`FakeNetwork.lead`) forms a group of its
+    own size from calls of its round whatever size they expect, as hivemind's followers accept what a leader
+    sends."""
     net.looking.append(call)
-    same = [c for c in net.looking if c.key == call.key]
-    size = call.request.group_size
+    leader = next((c for c in net.looking if net.leaders.get(c.swarm.peer_id, (0, 0))[1] > 0
+                   and c.key[:2] == call.key[:2]), None)
+    if leader is not None:
+        same = [leader] + [c for c in net.looking if c.key[:2] == call.key[:2] and c is not leader]
+        size = net.leaders[leader.swarm.peer_id][0]
+    else:
+        same = [c for c in net.looking if c.key == call.key]
+        size = call.request.group_size
     if len(same) < size:
         return
+    if leader is not None:
+        size_, left = net.leaders[leader.swarm.peer_id]
+        net.leaders[leader.swarm.peer_id] = (size_, left - 1)
     calls = same[:size]
     for c in calls:
         net.looking.remove(c)

@@ -9,14 +9,18 @@ What it models, as the real swarm does it (``p2p_diloco/swarm/``):
   what it reads with what it read before, each record kept until its own expiration (as ``Swarm.live_peers``);
 * **the all-reduce** (:mod:`.fake_allreduce`): groups of exactly the expected size per round, a transfer that takes
   virtual time, all or nothing, the same bits on every member;
-* **state downloads** from a live, non-client peer, taking virtual time.
+* **state downloads** from a live, non-client peer, taking virtual time;
+* **blobs** (``put_blob`` / ``get_blobs``): each peer's latest value per name, expiring like live records, readable by
+  every peer (the same :meth:`~FakeNetwork.hide` applies), with the real swarm's checks of name, size and ttl, and
+  hivemind's rule that a put replaces the previous value only if it expires later.
 
 Faults (each a method of :class:`FakeNetwork`): :meth:`~FakeNetwork.kill` (SIGKILL: its tasks end, its parts stop at
 once), :meth:`~FakeNetwork.freeze` / :meth:`~FakeNetwork.thaw` (SIGSTOP / SIGCONT), :meth:`~FakeNetwork.drop` (a
 group it is in loses its parts), :meth:`~FakeNetwork.slow_down` (its transfers take longer),
 :meth:`~FakeNetwork.lie` (it serves a self-consistent state that is not the majority's), :meth:`~FakeNetwork.hide`
-(one peer's reads miss another's record), :meth:`~FakeNetwork.hold` (its first all-reduce attempt of a round starts
-late).
+(one peer's reads miss another's records and blobs), :meth:`~FakeNetwork.hold` (its first all-reduce attempt of a
+round starts late), :meth:`~FakeNetwork.lead` (it forms groups of its own size), :meth:`~FakeNetwork.fail_late`
+(it fails an all-reduce the others completed).
 """
 
 from __future__ import annotations
@@ -29,8 +33,9 @@ from ..config import Config
 from ..errors import ConfigMismatch, RoundFailed
 from ..outer.optimizer import digest
 from ..protocol.records import Phase, PeerRecord, wire_fields
-from ..swarm.port import AllReduceRequest, AllReduceResult
+from ..swarm.port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob
 from .fake_allreduce import Call, Group, matchmake
+from .fake_keys import FakeKeys
 from .sim import Killed, Simulation
 
 POLL = 0.1  # how often a waiting call looks at its stop request
@@ -54,6 +59,8 @@ class FakeNetwork:
         self.swarms: dict[str, FakeSwarm] = {}
         self.stored: dict[str, tuple[dict, float]] = {}  # peer id -> (live record, expiration)
         self.configs: dict[str, dict] = {}
+        # name -> owner -> (value, expiration)
+        self.blobs: dict[str, dict[str, tuple[bytes, float]]] = {name: {} for name in BLOB_NAMES}
         self.looking: list[Call] = []
         self.groups: list[Group] = []
         self.drops: dict[str, int] = {}
@@ -61,6 +68,9 @@ class FakeNetwork:
         self.liars: set[str] = set()
         self.hidden: set[tuple[str, str]] = set()
         self.holds: dict[tuple[str, int], float] = {}
+        self.keys = FakeKeys()  # the simulated identities that sign round certificates
+        self.leaders: dict[str, tuple[int, int]] = {}  # peer id -> (group size it forms, groups left)
+        self.late: dict[str, int] = {}
 
     def factory(self, peer_id: str) -> Callable[..., FakeSwarm]:
         """A swarm factory (``(cfg, tensors_like, state_provider, shards=None)``) for the peer ``peer_id``."""
@@ -109,13 +119,23 @@ class FakeNetwork:
         self.liars.add(peer_id)
 
     def hide(self, reader: str, owner: str) -> None:
-        """``reader``'s reads of the records miss ``owner``'s (as a frozen or slow DHT node would)."""
+        """``reader``'s reads of the records and blobs miss ``owner``'s (as a frozen or slow DHT node would)."""
         self.hidden.add((reader, owner))
 
     def hold(self, peer_id: str, round_: int, seconds: float) -> None:
         """The peer's first all-reduce attempt of the round that starts from theta(``round_``) starts ``seconds``
         late (the others wait in matchmaking meanwhile)."""
         self.holds[(peer_id, round_)] = seconds
+
+    def lead(self, peer_id: str, size: int, groups: int = 1) -> None:
+        """The next ``groups`` groups this peer is in are formed by it with ``size`` members, whatever the
+        others expect (a hivemind leader with another target sends its group; followers accept it)."""
+        self.leaders[peer_id] = (size, groups)
+
+    def fail_late(self, peer_id: str, groups: int = 1) -> None:
+        """In the next ``groups`` groups this peer is in, it fails (reads its answers too late) while the other
+        members get the complete average: the shape of the "member disagreement" failure."""
+        self.late[peer_id] = self.late.get(peer_id, 0) + groups
 
     def _groups_of(self, peer_id: str) -> list[Group]:
         return [g for g in self.groups if peer_id in g.members and not g.ended.is_set()]
@@ -128,6 +148,18 @@ class FakeNetwork:
         now = self.clock.monotonic()
         return {pid: item for pid, item in self.stored.items()
                 if item[1] > now and (reader, pid) not in self.hidden}
+
+    def store_blob(self, owner: str, name: str, value: bytes, ttl: float) -> None:
+        """As a DHT node does: the owner's previous value stays if it expires later than this one."""
+        expiration = self.clock.monotonic() + ttl
+        previous = self.blobs[name].get(owner)
+        if previous is None or previous[1] < expiration:
+            self.blobs[name][owner] = (bytes(value), expiration)
+
+    def read_blobs(self, reader: str, name: str) -> dict[str, bytes]:
+        now = self.clock.monotonic()
+        return {pid: value for pid, (value, expiration) in self.blobs[name].items()
+                if expiration > now and (reader, pid) not in self.hidden}
 
 
 class FakeSwarm:
@@ -142,8 +174,11 @@ class FakeSwarm:
         self.record: dict[str, Any] = {"fp": cfg.fingerprint(), "round": 0, "phase": Phase.JOIN.value,
                                        "client": cfg.swarm.client_mode}
         self.seen: dict[str, tuple[dict, float]] = {}
+        self.kept: dict[str, tuple[bytes, float]] = {}  # keep_blob: name -> (value, time of its put)
         self.stopped = net.clock.event()
         self.last: Group | None = None
+        self.keys = net.keys
+        self.signer = net.keys.signer(peer_id)
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -162,6 +197,9 @@ class FakeSwarm:
     def _heartbeat(self) -> None:
         while not self.net.clock.wait(self.stopped, self.sc.heartbeat_period):
             self.publish()
+            for name, (value, at) in list(self.kept.items()):
+                if self.net.clock.monotonic() - at >= self.sc.peer_ttl / 2:
+                    self.keep_blob(name, value)
 
     def shutdown(self) -> None:
         self.stopped.set()
@@ -192,6 +230,20 @@ class FakeSwarm:
         self.seen = {pid: item for pid, item in self.seen.items() if item[1] > now}
         return {pid: PeerRecord.from_wire(rec) for pid, (rec, _) in self.seen.items()
                 if pid != self.name and rec.get("fp") == self.cfg.fingerprint() and rec.get("phase") != Phase.LEFT}
+
+    def put_blob(self, name: str, value: bytes, ttl: float | None = None) -> None:
+        self._check_alive()
+        self.net.store_blob(self.name, name, value, check_blob(name, value, ttl, self.sc.peer_ttl))
+
+    def keep_blob(self, name: str, value: bytes) -> None:
+        self.put_blob(name, value)
+        self.kept[name] = (value, self.net.clock.monotonic())
+
+    def get_blobs(self, name: str) -> dict[str, bytes]:
+        self._check_alive()
+        if name not in BLOB_NAMES:
+            raise ValueError(f"blob name must be one of {list(BLOB_NAMES)}, got {name!r}")
+        return self.net.read_blobs(self.name, name)
 
     # ---------------------------------------------------------------------------------------------- averaging
     def _check_alive(self) -> None:
@@ -224,6 +276,8 @@ class FakeSwarm:
             clock.wait(group.ended if running else group.began, POLL)
         if group.failure:
             raise RoundFailed(group.failure)
+        if self.name in group.late:
+            raise RoundFailed("TimeoutError: our answers came after the all-reduce timeout")
         if not running:
             request.on_running()
         self.last = group
@@ -274,7 +328,7 @@ class FakeSwarm:
             n = len(tensors) // 2
             for t in tensors[:n]:
                 t.add_(1e-2)
-            meta = dict(meta, digest=digest(tensors[:n]))
+            meta = dict(meta, digest=digest(tensors))
         clock.sleep(min(net.download_seconds, self.sc.state_timeout))
         if net.download_seconds > self.sc.state_timeout:
             raise RoundFailed(f"{fail}: TimeoutError")

@@ -19,7 +19,17 @@ from typing import Callable, Sequence
 import torch
 
 from ..outer import optimizer as outer
-from ..config import TrainConfig
+from ..config import Config, TrainConfig
+
+
+def schedule_horizon(cfg: Config) -> int:
+    """The inner lr schedule's cosine horizon in schedule steps: ``train.total_steps`` (0 = constant lr after warmup).
+
+    Swarm-wide by construction: it is part of the config fingerprint and never depends on this peer's
+    ``--max-rounds``, so every peer trains a round with the same lr, and a run stopped after round r and resumed
+    with a larger ``--max-rounds`` continues exactly as an uninterrupted run would.
+    """
+    return cfg.train.total_steps
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:

@@ -10,7 +10,7 @@ from ..config import Config
 from ..local.cluster import ClusterReplica, ClusterTrainer
 from ..local.commands import INIT
 from .data import PackedStream, eval_batches
-from .inner import InnerTrainer, Replica, resolve_device
+from .inner import InnerTrainer, Replica, resolve_device, schedule_horizon
 from .model import build_model
 from .tokenizer import build_tokenizer, vocab_size
 
@@ -41,7 +41,7 @@ class Training:
         cfg = self.cfg
         self.data_seed = data_seed
         self.data = PackedStream(self.tokenizer, cfg.data, data_seed)
-        horizon = cfg.train.total_steps or cfg.run.max_rounds * cfg.train.inner_steps
+        horizon = schedule_horizon(cfg)
         if self.cluster:
             self.cluster.send(INIT, data_seed)  # the other ranks build the same data stream, then wrap the model
             self.trainer = ClusterTrainer(self.cluster, self.model, cfg.train, self.data.next_batch, horizon)

@@ -18,16 +18,19 @@ from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_even
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-def _lone(tmp_path, tag, name, *args):
-    return Proc(["join", "--run-id", f"t-ckpt-{name}", "--data-seed", "7", "--max-rounds", "4",
+def _lone(tmp_path, tag, name, *args, rounds=4):
+    return Proc(["join", "--run-id", f"t-ckpt-{name}", "--data-seed", "7", "--max-rounds", str(rounds),
                  "--log-dir", str(tmp_path / name), "--summary-json", str(tmp_path / f"{name}.json"), *FAULT, *args],
                 tag)
 
 
 def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, reap):
-    """A lone peer run for 4 rounds == the same peer stopped (SIGTERM) after round 2 and resumed to round 4."""
+    """A lone peer run for 4 rounds == the same peer stopped (SIGTERM) after round 2 and resumed to round 4 == the
+    same peer run with --max-rounds 2 and resumed with --max-rounds 4 (stop and extend: the inner lr schedule's
+    horizon is train.total_steps, left at its default here, never a peer's own --max-rounds)."""
     straight = _lone(tmp_path, reap, "straight")
-    ckpt = tmp_path / "ckpt"
+    ckpt, short_ckpt = tmp_path / "ckpt", tmp_path / "short-ckpt"
+    short = _lone(tmp_path, reap, "short", "--checkpoint-dir", str(short_ckpt), rounds=2)
     first = _lone(tmp_path, reap, "first", "--checkpoint-dir", str(ckpt))
     first.wait_joined()
     wait_for_event(tmp_path / "first" / first.peer_id / "events.jsonl",
@@ -39,12 +42,18 @@ def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, reap):
     names = sorted(p.name for p in ckpt.iterdir())
     assert names[-1] in ("round-00000002.pt", "round-00000003.pt") and not any(n.startswith(".tmp") for n in names)
     resumed = _lone(tmp_path, reap, "resumed", "--checkpoint-dir", str(ckpt), "--resume")
+    assert short.wait(240) == 0, short.stderr_tail()
+    assert load_json(tmp_path / "short.json")["rounds_completed"] == 2
+    extended = _lone(tmp_path, reap, "extended", "--checkpoint-dir", str(short_ckpt), "--resume")
     assert resumed.wait(240) == 0, resumed.stderr_tail()
     assert straight.wait(240) == 0, straight.stderr_tail()
+    assert extended.wait(240) == 0, extended.stderr_tail()
     a, b = load_json(tmp_path / "straight.json"), load_json(tmp_path / "resumed.json")
-    assert a["rounds_completed"] == b["rounds_completed"] == 4
+    c = load_json(tmp_path / "extended.json")
+    assert a["rounds_completed"] == b["rounds_completed"] == c["rounds_completed"] == 4
     assert a["global_digest"] == b["global_digest"], "resume did not continue exactly"
-    assert a["tokens_trained"] == b["tokens_trained"]
+    assert a["global_digest"] == c["global_digest"], "a run extended from --max-rounds 2 to 4 did not continue exactly"
+    assert a["tokens_trained"] == b["tokens_trained"] == c["tokens_trained"]
     ev = events_of(tmp_path / "resumed", resumed)
     assert [e["round"] for e in ev if e["event"] == Event.RESUMED] == [stopped["rounds_completed"]]
     assert len(list(ckpt.glob("round-*.pt"))) == 3  # keep = 3
@@ -57,8 +66,9 @@ def _write_checkpoints(directory, rounds: int) -> None:
     store = CheckpointStore(directory)
     for r in range(rounds + 1):
         theta = [torch.full((4, 4), float(r)), torch.zeros(4)]
-        store.save(PeerState(round=r, fingerprint=Config().fingerprint(), global_digest=digest(theta), theta=theta,
-                             momentum=[torch.zeros_like(t) for t in theta], model={}, inner_optimizer={}, data={},
+        momentum = [torch.zeros_like(t) for t in theta]
+        store.save(PeerState(round=r, fingerprint=Config().fingerprint(), global_digest=digest(theta + momentum),
+                             theta=theta, momentum=momentum, model={}, inner_optimizer={}, data={},
                              rng=capture_rng(), extra={}))
 
 

@@ -107,10 +107,13 @@ def test_cluster_peer_resumes_bit_identically(tmp_path, reap, parallelism, shard
         names = sorted(p.name for p in (tmp_path / "ckpt" / "shards").iterdir())
         assert names == [f"shard-{j:04d}-round-{r:08d}.pt" for j in range(3) for r in (0, 1, 2)], names
         # eval/export assemble theta from the shard files: the digest of what they load is the run's
+        from p2p_diloco.checkpoint import ShardFiles
         from p2p_diloco.export import load_trained
         from p2p_diloco.outer.shards import ShardLayout, global_digest, shard_digest
 
         params = list(load_trained(tmp_path / "ckpt").model.parameters())
         flat, layout = torch.cat([p.detach().reshape(-1) for p in params]), ShardLayout.of(params, 3)
         shards = [flat[layout.bounds[j]:layout.bounds[j + 1]].clone() for j in range(3)]
-        assert global_digest([shard_digest(t) for t in shards]) == b["global_digest"]
+        files = ShardFiles(tmp_path / "ckpt")  # the digest covers the momentum too: it is only in the shard files
+        momenta = [torch.load(files.path(j, 2), weights_only=True)["momentum"] for j in range(3)]
+        assert global_digest([shard_digest(t, m) for t, m in zip(shards, momenta)]) == b["global_digest"]

@@ -1,19 +1,28 @@
 """Signed DHT records (p2p_diloco/swarm/identity.py) on real hivemind DHTs: a peer's record cannot be overwritten,
-forged, or published in its name by another peer, even one whose own DHT node runs no validator, and a record of
-the wrong subkey type cannot stall the honest peers' reads."""
+forged, or published in its name by another peer, even one whose own DHT node runs no validator, a record of
+the wrong subkey type cannot stall the honest peers' reads, and a validly signed record that would outlive its
+lifetime cap (schema.py: RecordLimitsValidator) is refused. Peers exchange signed blobs (Swarm.put_blob)."""
+
+from functools import partial
 
 import hivemind
 import psutil
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.utils import get_dht_time
+from hivemind.dht.routing import DHTID
+from hivemind.utils import MSGPackSerializer, get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2p_diloco.swarm.identity import Identity, OwnedRecordsValidator, records_by_owner
-from p2p_diloco.swarm.schema import RunRecordsValidator
+from p2p_diloco.config import Config
+from p2p_diloco.swarm.identity import Identity, peer_id_of, records_by_owner
+from p2p_diloco.swarm.port import BLOB_MAX_BYTES
+from p2p_diloco.swarm.schema import LIFETIMES, ttl_cap
+from p2p_diloco.swarm.swarm import Swarm, fix_command_pipe, record_validators
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 KEY = "run.live"  # run id "run"
+PEER_TTL = 30.0  # the honest nodes' swarm.peer_ttl: records of these tests live up to ~30 s
+YEAR = 365 * 24 * 3600.0
 
 
 @pytest.fixture
@@ -28,13 +37,14 @@ def dhts():
             started.append(hivemind.DHT(
                 start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], identity_path=ident.path,
                 check_if_identity_free=False,
-                record_validators=[ident.validator, OwnedRecordsValidator([KEY]), RunRecordsValidator("run")],
+                record_validators=record_validators(ident, "run", PEER_TTL),
                 initial_peers=[str(m) for m in started[0].get_visible_maddrs()] if started else None))
+            fix_command_pipe(started[-1])  # as Swarm.start does: blobs over 16 KiB go through the DHT's pipe
         a, c = started
         b = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                          initial_peers=[str(m) for m in a.get_visible_maddrs()])
         started.append(b)
-        yield honest, a, b, c
+        yield honest, a, b, c, reader
     finally:
         honest.close()
         reader.close()
@@ -50,15 +60,40 @@ def _read(dht):
     return {owner: item.value for owner, item in records_by_owner(dht.get(KEY, latest=True)).items()}
 
 
+def _swarm_on(dht, ident):
+    """A :class:`Swarm` of run "run" on a DHT of the fixture (its records part only: no averager is started)."""
+    cfg = Config()
+    cfg.run.run_id, cfg.swarm.peer_ttl = "run", PEER_TTL
+    swarm = Swarm(cfg, [], lambda: ({}, []))
+    swarm.dht, swarm.identity, swarm.peer_id = dht, ident, ident.peer_id
+    return swarm
+
+
 def test_identity_is_the_libp2p_peer_id_and_signs_records(dhts):
-    honest, a, _, _ = dhts
+    honest, a, _, c, reader = dhts
     assert a.peer_id.to_base58() == honest.peer_id  # p2pd runs with the same RSA key that signs the records
     assert a.store(KEY, {"round": 3}, get_dht_time() + 30, subkey=honest.subkey())
     assert _read(a) == {honest.peer_id: {"round": 3}}
+    # signed blobs: each peer reads every peer's latest blob, its own included
+    ours, theirs = _swarm_on(a, honest), _swarm_on(c, reader)
+    sig, cert = b"s" * 700, b"c" * BLOB_MAX_BYTES["cert"]
+    ours.put_blob("sig", sig)
+    theirs.put_blob("cert", cert, ttl=10.0)
+    assert theirs.get_blobs("sig") == ours.get_blobs("sig") == {honest.peer_id: sig}
+    assert ours.get_blobs("cert") == {reader.peer_id: cert}
+    theirs.put_blob("sig", b"t")
+    assert ours.get_blobs("sig") == {honest.peer_id: sig, reader.peer_id: b"t"}
+    with pytest.raises(ValueError):
+        ours.put_blob("sig", b"s" * (BLOB_MAX_BYTES["sig"] + 1))
+    # stored around put_blob's check, signed and newer: no honest node keeps it (the attacker's node b does)
+    a.store("run.sig", b"x" * (BLOB_MAX_BYTES["sig"] + 1), get_dht_time() + 20, subkey=honest.subkey())
+    local = a.run_coroutine(partial(_local_items, key="run.sig"))
+    assert local[honest.subkey()][0].startswith(MSGPackSerializer.dumps(sig) + b"[signature:"), "blob replaced"
+    assert theirs.get_blobs("sig") == {honest.peer_id: sig, reader.peer_id: b"t"}
 
 
 def test_forged_records_are_rejected_or_ignored(dhts):
-    honest, a, b, c = dhts
+    honest, a, b, c, _ = dhts
     expiration = get_dht_time() + 30
     assert a.store(KEY, {"round": 3}, expiration, subkey=honest.subkey())
     # 1. Overwrite the honest subkey with an unsigned (newer) value: the honest node refuses to store it, and the
@@ -88,14 +123,17 @@ def test_forged_records_are_rejected_or_ignored(dhts):
 
 
 async def _local_subkeys(dht, node):
-    from hivemind.dht.routing import DHTID
+    return sorted(await _local_items(dht, node))
 
-    found = node.protocol.storage.get(DHTID.generate(source=KEY))
-    return sorted(subkey for subkey, _ in found.value.items()) if found is not None else []
+
+async def _local_items(dht, node, key=KEY):
+    """``{subkey: (signed value bytes, expiration)}`` of ``key`` in the node's own storage."""
+    found = node.protocol.storage.get(DHTID.generate(source=key))
+    return {subkey: (item.value, item.expiration_time) for subkey, item in found.value.items()} if found else {}
 
 
 def test_schema_violating_record_is_rejected(dhts):
-    honest, a, b, c = dhts
+    honest, a, b, c, _ = dhts
     b.shutdown()  # a node without validators would accept the record, and its answer could decide store()'s result
     expiration = get_dht_time() + 30
     assert a.store(KEY, {"round": 3, "phase": "train"}, expiration, subkey=honest.subkey())
@@ -107,3 +145,36 @@ def test_schema_violating_record_is_rejected(dhts):
         found = reader.get(KEY, latest=True, return_future=True).result(timeout=15)
         assert {o: v.value for o, v in records_by_owner(found).items()} == {honest.peer_id: {"round": 3,
                                                                                           "phase": "train"}}
+
+
+def test_a_long_lived_record_of_another_identity_is_refused(dhts):
+    """Issue 17: any fresh key signs validly, so a throw-away identity could store a claim once with a one-year
+    expiration and disconnect. Every honest DHT node refuses it (the attacker's own nodes, b and its node here,
+    keep it, and a reader drops their replies); its normal records stay visible."""
+    honest, a, b, c, _ = dhts
+    key = RSAPrivateKey()
+    attacker = RSASignatureValidator(key)
+    subkey = peer_id_of(key.get_public_key().to_bytes()).encode() + attacker.local_public_key
+    node = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], record_validators=[attacker],
+                        initial_peers=[str(m) for m in a.get_visible_maddrs()])
+    try:
+        now = get_dht_time()
+        assert a.store(KEY, {"round": 3}, now + 30, subkey=honest.subkey())
+        assert node.store(KEY, {"round": 5}, now + 30, subkey=subkey)
+        attacker_id = peer_id_of(key.get_public_key().to_bytes())
+        for reader in (a, c):
+            assert _read(reader) == {honest.peer_id: {"round": 3}, attacker_id: {"round": 5}}
+        node.store(KEY, {"round": 6}, now + YEAR, subkey=subkey)  # newer (it expires later), validly signed
+        cap = LIFETIMES["live"] * ttl_cap(PEER_TTL)
+        for reader in (a, c, a, c):
+            found = records_by_owner(reader.get(KEY, latest=True, return_future=True).result(timeout=15))
+            assert {o: v.value for o, v in found.items()} == {honest.peer_id: {"round": 3}, attacker_id: {"round": 5}}
+            assert found[attacker_id].expiration_time < get_dht_time() + cap
+        for dht in (a, c):  # neither honest node stored it
+            local = dht.run_coroutine(_local_items)
+            assert local[subkey][1] == now + 30, local[subkey]
+        # an honest node's own store of such a record is refused too (b, which runs no validator, keeps it)
+        a.store(KEY, {"round": 4}, now + YEAR, subkey=honest.subkey())
+        assert a.run_coroutine(_local_items)[honest.subkey()][1] == now + 30
+    finally:
+        node.shutdown()

@@ -9,7 +9,7 @@ import torch
 from p2p_diloco import checkpoint
 from p2p_diloco.checkpoint import CheckpointError, CheckpointStore, PeerState, capture_rng, restore_rng
 from p2p_diloco.errors import UsageError
-from p2p_diloco.outer.optimizer import digest
+from p2p_diloco.outer.optimizer import digest, legacy_digest
 
 pytestmark = pytest.mark.unit
 
@@ -21,7 +21,7 @@ def make_state(round_=1, fingerprint=FP, seed=0):
     theta = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
     momentum = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
     model = torch.nn.Linear(4, 3)
-    return PeerState(round=round_, fingerprint=fingerprint, global_digest=digest(theta), theta=theta,
+    return PeerState(round=round_, fingerprint=fingerprint, global_digest=digest(theta + momentum), theta=theta,
                      momentum=momentum, model=model.state_dict(), inner_optimizer={}, data={"shard": 3, "pos": 17},
                      rng=capture_rng(), extra={"tokens_trained": 1234, "rounds_participated": round_})
 
@@ -82,7 +82,7 @@ def test_saved_tensors_are_compact_clones(tmp_path):
     state = make_state()
     state.theta[1] = big[:5]  # a view into a 4 MB storage
     state.momentum[1] = torch.zeros(5, requires_grad=True)
-    state.global_digest = digest(state.theta)
+    state.global_digest = digest(state.theta + state.momentum)
     path = CheckpointStore(tmp_path).save(state)
     assert path.stat().st_size < 100_000  # a non-cloned view would drag the whole storage into the file
     big.fill_(1.0)  # live in-place update after saving
@@ -192,7 +192,7 @@ def flip_one_bit(payload):
     (flip_one_bit, "digest"),
     (lambda p: p["momentum"].pop(), "momentum"),
     (lambda p: p["momentum"].__setitem__(0, torch.zeros(4, 3)), "momentum"),
-    (lambda p: p.update(format=2), "format"),
+    (lambda p: p.update(format=99), "format"),
     (lambda p: p.pop("rng"), "rng"),
     (lambda p: p.update(round="3"), "round"),
 ])
@@ -204,6 +204,17 @@ def test_tampered_payload_is_rejected(tmp_path, change, needle):
     with pytest.raises(CheckpointError) as excinfo:
         store.load(bad)
     assert_one_line_error(excinfo, bad, needle, f"an older checkpoint is at {good}")
+
+
+def test_a_format_1_checkpoint_loads_with_the_digest_of_theta_and_momentum(tmp_path):
+    # Format 1 recorded digest(theta) only; it is still verified that way, and resumes with today's digest.
+    path = CheckpointStore(tmp_path).save(make_state())
+    rewrite_payload(path, lambda p: p.update(format=1, global_digest=legacy_digest(p["theta"])))
+    loaded = CheckpointStore(tmp_path).load(path)
+    assert loaded.global_digest == digest(loaded.theta + loaded.momentum) and loaded.certificate is None
+    rewrite_payload(path, lambda p: flip_one_bit(p))
+    with pytest.raises(CheckpointError, match="digest"):
+        CheckpointStore(tmp_path).load(path)
 
 
 def test_untampered_rewrite_still_loads(tmp_path):

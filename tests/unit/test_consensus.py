@@ -64,10 +64,9 @@ def test_check_donated_state_refuses_everything_but_what_we_asked_for():
 
     from p2p_diloco.outer.optimizer import digest
 
-    theta = [torch.zeros(3), torch.zeros(2, 2)]
-    good = [torch.ones(3), torch.ones(2, 2)]
-    state = [*good, torch.zeros(3), torch.zeros(2, 2)]
-    meta = {"fp": "fp1", "round": 4, "digest": digest(good)}
+    theta = [torch.zeros(3), torch.zeros(2, 2), torch.zeros(3), torch.zeros(2, 2)]  # ours: theta and momentum
+    state = [torch.ones(3), torch.ones(2, 2), torch.zeros(3), torch.zeros(2, 2)]
+    meta = {"fp": "fp1", "round": 4, "digest": digest(state)}
     check = check_donated_state
     assert check(meta, state, theta, "fp1", 4, meta["digest"]) is None
     assert check(meta, state, theta, "fp1", 3, None) is None  # a donor already further along is fine...
@@ -75,8 +74,13 @@ def test_check_donated_state_refuses_everything_but_what_we_asked_for():
     assert "round" in check(meta, state, theta, "fp1", 5, None)
     assert "fingerprint" in check(meta, state, theta, "other", 4, None)
     assert "majority" in check(meta, state, theta, "fp1", 4, "someone-else")
-    assert "count" in check(meta, state[:3], theta, "fp1", 4, None)
-    assert "shapes" in check(meta, [torch.ones(4), *state[1:]], theta, "fp1", 4, None)
+    assert "expected 4 outer-state tensors" in check(meta, state[:3], theta, "fp1", 4, None)
+    assert "tensor 0: (4,)" in check(meta, [torch.ones(4), *state[1:]], theta, "fp1", 4, None)
+    # a momentum of another shape is refused before anything is taken (it used to pass, then fail mid-load)
+    assert "tensor 3: (4,)" in check(meta, [*state[:3], torch.zeros(4)], theta, "fp1", 4, None)
+    moved = [t.clone() for t in state]
+    moved[2][0] = 1.0  # the momentum is in the digest too
+    assert "digest" in check(meta, moved, theta, "fp1", 4, None)
     flipped = [t.clone() for t in state]
     flipped[0][0] = 2.0
     assert "digest" in check(meta, flipped, theta, "fp1", 4, None)
@@ -106,10 +110,10 @@ def test_a_peer_alone_ahead_of_three_or_more_goes_back():
 
 
 def test_donated_state_with_non_finite_values_is_refused():
-    theta = [torch.zeros(3)]
+    theta = [torch.zeros(3), torch.zeros(3)]
     bad = [torch.tensor([0.0, float("nan"), 0.0]), torch.zeros(3)]
-    meta = {"fp": "f", "round": 2, "digest": digest_of(bad[:1])}
+    meta = {"fp": "f", "round": 2, "digest": digest_of(bad)}
     assert check_donated_state(meta, bad, theta, "f", 2, meta["digest"]) == "it holds non-finite values"
     good = [torch.ones(3), torch.zeros(3)]
-    meta = {"fp": "f", "round": 2, "digest": digest_of(good[:1])}
+    meta = {"fp": "f", "round": 2, "digest": digest_of(good)}
     assert check_donated_state(meta, good, theta, "f", 2, meta["digest"]) is None

@@ -17,11 +17,11 @@ def test_every_event_has_a_spec_and_the_readme_list_is_rendered_from_them():
 
 
 def test_check_refuses_unknown_events_and_wrong_fields():
-    assert check("outer_step", {"digest": "d", "inner_steps": 3}) is None
+    assert check("outer_step", {"digest": "d", "inner_steps": 3, "certificate": "c", "signers": 2}) is None
     assert check("allreduce_done", {"group_size": 1, "bytes_sent": 0, "bytes_received": 0, "seconds": 0.0,
                                      "lone": True}) is None
     assert "unknown event" in check("outer_stepped", {})
-    assert "missing ['inner_steps']" in check("outer_step", {"digest": "d"})
+    assert "missing ['certificate', 'inner_steps', 'signers']" in check("outer_step", {"digest": "d"})
     assert "unexpected ['extra']" in check("eval", {"loss": 1.0, "extra": 2})
 
 

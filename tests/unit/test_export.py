@@ -21,8 +21,9 @@ def _save_run(directory, round_=3, **model_fields):
     cfg = apply_overrides(Config(), {"model": model_fields, "data": {"path": "builtin:stdlib", "max_bytes": 400_000}})
     model = build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), cfg.run.seed)
     theta = [p.detach().clone() + 0.01 for p in model.parameters()]
-    state = PeerState(round=round_, fingerprint=cfg.fingerprint(), global_digest=digest(theta), theta=theta,
-                      momentum=[torch.zeros_like(t) for t in theta], model=model.state_dict(), inner_optimizer={},
+    momentum = [torch.zeros_like(t) for t in theta]
+    state = PeerState(round=round_, fingerprint=cfg.fingerprint(), global_digest=digest(theta + momentum),
+                      theta=theta, momentum=momentum, model=model.state_dict(), inner_optimizer={},
                       data={}, rng=capture_rng(), extra={"config": cfg.to_dict()})
     return CheckpointStore(directory).save(state), theta
 

@@ -21,21 +21,21 @@ def rec(round_: int, phase: Phase = T, digest: str = "good", **more) -> PeerReco
 
 
 def sync_state(**changes) -> rules.SyncState:
-    base = dict(round=3, digest="good", straggler_deadline=100.0, last_group_size=3, alone_since=None,
-                confirm_for=7.0, overlap=False)
+    base = dict(round=3, digest="good", straggler_deadline=100.0, alone_since=None, confirm_for=7.0, overlap=False)
     return rules.SyncState(**{**base, **changes})
 
 
 # (case, our state, the view, now) -> (action type, the fields it must have)
 SYNC_CASES = [
     ("every round-mate is ready: the group is all of us",
-     sync_state(), {"a": rec(3, S), "b": rec(3, S)}, 1.0, AllReduce, {"group_size": 3, "all_in": True}),
-    ("a round-mate still training is waited for until the straggler deadline",
+     sync_state(), {"a": rec(3, S), "b": rec(3, S)}, 1.0, AllReduce,
+     {"group_size": 3, "all_in": True, "members": ("a", "b"), "charged": ("a", "b")}),
+    ("a round-mate still training is waited for until the straggler deadline; a failure is charged to nobody",
      sync_state(), {"a": rec(3, S), "b": rec(3, T)}, 1.0, AllReduce,
-     {"group_size": 3, "all_in": False, "give_up_at": 100.0}),
-    ("after the deadline a training round-mate is left out",
+     {"group_size": 3, "all_in": False, "give_up_at": 100.0, "members": ("a", "b"), "charged": ()}),
+    ("after the deadline a training round-mate is left out of a group of the others",
      sync_state(), {"a": rec(3, S), "b": rec(3, T)}, 101.0, AllReduce,
-     {"group_size": 2, "all_in": False, "give_up_at": None}),
+     {"group_size": 2, "all_in": False, "give_up_at": None, "members": ("a",), "charged": ("a",)}),
     ("peers of other rounds, joining or repairing are not round-mates",
      sync_state(), {"a": rec(3, S), "j": rec(3, J), "r": rec(3, R, "bad"), "o": rec(2, T)}, 1.0, AllReduce,
      {"group_size": 2}),
@@ -52,20 +52,47 @@ SYNC_CASES = [
      sync_state(digest="bb"), {"a": rec(3, S, "aa")}, 1.0, Repair, {"digest": "aa"}),
     ("two peers disagree, and we hold the smaller digest: no repair",
      sync_state(digest="aa"), {"a": rec(3, S, "bb")}, 1.0, AllReduce, {"group_size": 2}),
-    ("nobody else, and we were alone last round: solo at once",
-     sync_state(last_group_size=1), {}, 1.0, Solo, {}),
-    ("nobody else, but we averaged last round: confirm first",
-     sync_state(), {}, 1.0, ConfirmAlone, {"restart": False}),
+    # Issue 17: a solo step only once no round-mate's record has shown for a record lifetime, whatever the size of
+    # our last group (it used to be at once after a lone round), and never beside a round-mate still training.
+    ("nobody else (alone last round or not): confirm first",
+     sync_state(), {}, 1.0, ConfirmAlone, {}),
     ("still nobody, confirmation under way",
-     sync_state(alone_since=1.0), {}, 5.0, ConfirmAlone, {"restart": False}),
+     sync_state(alone_since=1.0), {}, 5.0, ConfirmAlone, {}),
     ("nobody for a whole record lifetime: solo",
      sync_state(alone_since=1.0), {}, 8.0, Solo, {}),
-    ("a round-mate's record came back while confirming: start over",
-     sync_state(alone_since=1.0, straggler_deadline=0.0), {"a": rec(3, T)}, 8.0, ConfirmAlone, {"restart": True}),
-    # Kept as it is (issue 17 changes it): a peer that was alone last round steps alone beside a round-mate that is
-    # still training once the straggler deadline has passed.
-    ("alone last round, a round-mate training past the deadline: solo (today's rule)",
-     sync_state(last_group_size=1, straggler_deadline=0.0), {"a": rec(3, T)}, 1.0, Solo, {}),
+    ("a round-mate ready while we confirm: the group",
+     sync_state(alone_since=1.0), {"a": rec(3, S)}, 8.0, AllReduce, {"group_size": 2}),
+    ("a round-mate training past the straggler deadline and none ready: wait for it, no solo step",
+     sync_state(straggler_deadline=0.0), {"a": rec(3, T)}, 1.0, Wait, {"seconds": rules.TRAINING_POLL}),
+    ("... even after a record lifetime of confirming",
+     sync_state(alone_since=1.0, straggler_deadline=0.0), {"a": rec(3, T)}, 8.0, Wait, {}),
+    ("a round-mate training past the round deadline no longer holds back a solo step (confirmed first)",
+     sync_state(straggler_deadline=0.0, round_deadline=50.0), {"a": rec(3, T)}, 60.0, ConfirmAlone, {}),
+    ("... and once confirmed: solo",
+     sync_state(straggler_deadline=0.0, round_deadline=50.0, alone_since=52.0), {"a": rec(3, T)}, 60.0, Solo, {}),
+    ("joining and repairing peers of our round sit it out waiting for us: they do not hold back a solo step",
+     sync_state(alone_since=1.0), {"j": rec(3, J), "r": rec(3, R, "bad")}, 8.0, Solo, {}),
+    ("a peer behind us does not hold back a solo step",
+     sync_state(alone_since=1.0), {"o": rec(2, T)}, 8.0, Solo, {}),
+    # Bounded liveness (protocol/liveness.py): a peer cooling down counts for nothing but the digest vote
+    ("a round-mate cooling down is left out of the group",
+     sync_state(cooling=frozenset({"b"})), {"a": rec(3, S), "b": rec(3, S)}, 1.0, AllReduce,
+     {"group_size": 2, "all_in": True, "members": ("a",)}),
+    ("a round-mate cooling down and still training is not waited for",
+     sync_state(cooling=frozenset({"b"})), {"a": rec(3, S), "b": rec(3, T)}, 1.0, AllReduce,
+     {"group_size": 2, "all_in": True, "give_up_at": None, "members": ("a",)}),
+    ("a round-mate cooling down does not hold back a solo step",
+     sync_state(cooling=frozenset({"a"}), alone_since=1.0), {"a": rec(3, S)}, 8.0, Solo, {}),
+    ("... nor one cooling down while training",
+     sync_state(cooling=frozenset({"a"}), straggler_deadline=0.0), {"a": rec(3, T)}, 1.0, ConfirmAlone, {}),
+    ("peers cooling down still vote on digests",
+     sync_state(digest="bad", cooling=frozenset({"a", "b"})), {"a": rec(3, S), "b": rec(3, T)}, 1.0, Repair,
+     {"digest": "good"}),
+    ("a peer cooling down ahead of us (a solo step) is not followed while a peer not cooling down is with us",
+     sync_state(cooling=frozenset({"c"})), {"a": rec(3, S), "c": rec(4, T, "x")}, 1.0, AllReduce,
+     {"group_size": 2, "members": ("a",)}),
+    ("every other peer cooling down: they lead (we may be the broken one)",
+     sync_state(cooling=frozenset({"c"})), {"c": rec(4, T, "x")}, 1.0, CatchUp, {}),
     ("overlap: round-mates still training are waited for",
      sync_state(overlap=True), {"a": rec(3, S), "b": rec(3, T)}, 1.0, Wait, {"seconds": rules.OVERLAP_POLL}),
     ("overlap: everyone ready",

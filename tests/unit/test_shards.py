@@ -51,13 +51,17 @@ def test_sharded_outer_matches_the_whole_outer_step_bit_for_bit():
         whole.step(delta)
         shard_delta = [torch.empty_like(t) for t in sharded.theta]
         sharded.pseudo_gradient(local, shard_delta)
-        sharded.step(shard_delta, step + 1)
+        sharded.prepare(shard_delta)
+        sharded.commit(step + 1)
         sharded.refresh_digests()
         model = [torch.zeros_like(p) for p in params]
         sharded.load_into(model)
         assert all(torch.equal(a, b) for a, b in zip(model, whole.theta))
     flat = torch.cat([t.reshape(-1) for t in whole.theta])
-    want = [shard_digest(flat[sharded.layout.bounds[j]:sharded.layout.bounds[j + 1]].clone()) for j in range(4)]
+    flat_m = torch.cat([t.reshape(-1) for t in whole.momentum_buffers])
+    bounds = sharded.layout.bounds
+    want = [shard_digest(flat[bounds[j]:bounds[j + 1]].clone(), flat_m[bounds[j]:bounds[j + 1]].clone())
+            for j in range(4)]
     assert sharded.digest == global_digest(want) == sharded.local_digest()
 
 
@@ -71,7 +75,8 @@ def test_global_digest_is_the_same_for_any_number_of_ranks():
         by_shard = {}
         for rank in range(world):
             for j in layout.owned(rank, world):
-                by_shard[j] = shard_digest(flat[layout.bounds[j]:layout.bounds[j + 1]].clone())
+                piece = flat[layout.bounds[j]:layout.bounds[j + 1]].clone()
+                by_shard[j] = shard_digest(piece, torch.zeros_like(piece))
         digests.append(global_digest([by_shard[j] for j in range(6)]))
     assert len(set(digests)) == 1
     assert ShardedOuter(layout, Ranks(), params, 1.0, 0.0, False).digest == digests[0]
@@ -106,17 +111,17 @@ def test_shard_files_round_trip_verify_and_prune(tmp_path):
     theta, momentum = torch.randn(10), torch.randn(10)
     for r in (1, 2, 3):
         files.save(2, r, "fp", theta + r, momentum)
-    got = files.load(2, 3, "fp", shard_digest(theta + 3))
+    got = files.load(2, 3, "fp", shard_digest(theta + 3, momentum))
     assert torch.equal(got[0], theta + 3) and torch.equal(got[1], momentum)
     with pytest.raises(CheckpointError, match="not the one the round's checkpoint recorded"):
-        files.load(2, 3, "fp", shard_digest(theta))  # another round's bits
+        files.load(2, 3, "fp", shard_digest(theta, momentum))  # another round's bits
     with pytest.raises(CheckpointError, match="not the one"):
-        files.load(2, 3, "other-fp", shard_digest(theta + 3))
+        files.load(2, 3, "other-fp", shard_digest(theta + 3, momentum))
     with pytest.raises(CheckpointError, match="cannot read shard checkpoint"):
-        files.load(5, 3, "fp", shard_digest(theta + 3))
+        files.load(5, 3, "fp", shard_digest(theta + 3, momentum))
     files.path(2, 3).write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="cannot read shard checkpoint"):
-        files.load(2, 3, "fp", shard_digest(theta + 3))
+        files.load(2, 3, "fp", shard_digest(theta + 3, momentum))
     files.save(4, 1, "fp", theta, momentum)
     files.prune([2], {2, 3})  # only shard 2's files of other rounds go
     assert sorted(p.name for p in files.directory.iterdir()) == [

@@ -1,0 +1,92 @@
+"""The commit step's cost, measured inside ``benchmarks.allreduce``'s workers (``commit`` command).
+
+Every worker's DHT runs with a peer's identity and the run's record validators (as ``Swarm`` starts it), so the
+signature exchange is the peer's own code: :class:`~p2p_diloco.peer.certifier.Certifier` over
+``Swarm.put_blob`` / ``Swarm.get_blobs`` (borrowed onto a bare DHT by :class:`BareSwarm`). Two figures per step:
+
+* ``commit_s``: sign the round's statement, publish the signature, read until every member's signature checks
+  out (all workers start together, as members finish an all-reduce within milliseconds of each other);
+* ``outer_old_s`` / ``outer_new_s``: the outer step on the payload as theta (momentum 0.9, Nesterov) before and
+  after the commit step existed: in place plus the digest of theta, vs computed aside (a copy of theta and the
+  momentum), the digest of both, and the copy back at commit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+RUN = "bench"
+PEER_TTL = 6.0
+
+
+def dht_options() -> tuple[object, dict]:
+    """A fresh identity, and the DHT arguments a peer's swarm starts its DHT with."""
+    from p2p_diloco.swarm.identity import Identity
+    from p2p_diloco.swarm.swarm import record_validators
+
+    identity = Identity()
+    return identity, {"identity_path": identity.path, "record_validators": record_validators(identity, RUN, PEER_TTL)}
+
+
+class BareSwarm:
+    """``Swarm``'s blob methods on a bare DHT: the same keys, checks, signatures and call bounds."""
+
+    def __init__(self, dht, identity):
+        from p2p_diloco.swarm.identity import RSAKeyBook
+
+        self.dht, self.identity, self.run_id, self.allowed = dht, identity, RUN, None
+        self.sc = SimpleNamespace(peer_ttl=PEER_TTL)
+        self._dht_lock = threading.Lock()
+        self.peer_id, self.signer, self.keys = identity.peer_id, identity, RSAKeyBook()
+
+    def __getattr__(self, name):  # put_blob, get_blobs, _dht_call: the real methods, bound to this object
+        from p2p_diloco.swarm.swarm import Swarm
+
+        return getattr(Swarm, name).__get__(self)
+
+
+def commit_seconds(swarm: BareSwarm, members: list[str], round_: int) -> float:
+    """One commit exchange by the peer's Certifier; raises if the certificate is not complete."""
+    from p2p_diloco.peer.certifier import Certifier
+    from p2p_diloco.protocol.certificate import Statement
+    from p2p_diloco.runtime.clock import RealClock
+
+    clock, stop = RealClock(), threading.Event()
+    ctx = SimpleNamespace(swarm=swarm, clock=clock, cfg=SimpleNamespace(swarm=SimpleNamespace(peer_ttl=PEER_TTL)),
+                          sleep=lambda s: clock.wait(stop, s), emit_in_round=lambda *a, **k: None)
+    members = sorted(members)
+    statement = Statement(run_id=RUN, fingerprint="0" * 16, round=round_, members=tuple(members),
+                          weights=(1.0,) * len(members), before="a" * 64, after="b" * 64, prev="")
+    t0 = time.perf_counter()
+    cert = Certifier(ctx).certify(round_, statement, clock.monotonic())
+    seconds = time.perf_counter() - t0
+    if cert is None:
+        raise RuntimeError(f"round {round_}: the certificate was not complete")
+    return seconds
+
+
+def outer_step_seconds(payload: list) -> tuple[float, float]:
+    """``(old, new)`` seconds of the outer step and its digest (module docstring), on a copy of ``payload``."""
+    import torch
+
+    from p2p_diloco.outer.optimizer import OuterOptimizer, digest
+
+    average = [t * 1e-3 for t in payload]
+    old = OuterOptimizer([t.clone() for t in payload], 0.7, 0.9, True)
+    t0 = time.perf_counter()
+    old.step(average)
+    digest(old.theta)
+    t_old = time.perf_counter() - t0
+    new = OuterOptimizer([t.clone() for t in payload], 0.7, 0.9, True)
+    t0 = time.perf_counter()
+    aside = [t.clone() for t in new.state_tensors()]
+    n = len(new.theta)
+    new.step_on(aside[:n], aside[n:], average)
+    digest(aside)
+    for dst, src in zip(new.state_tensors(), aside):
+        dst.copy_(src)
+    t_new = time.perf_counter() - t0
+    assert all(torch.equal(a, b) for a, b in zip(old.theta, new.theta))  # the same bits either way
+    return t_old, t_new

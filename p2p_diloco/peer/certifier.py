@@ -1,0 +1,76 @@
+"""The commit step of every round, carried out: sign the round's statement, exchange the members' signatures
+through the swarm (``sig`` blobs), and return the complete certificate, or None if the round did not commit.
+:mod:`p2p_diloco.protocol.commit` decides; this part only publishes, reads and waits."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from ..metrics.events import Event
+from ..protocol import commit
+from ..protocol.certificate import Certificate, Statement, sign
+from .context import PeerContext
+
+log = logging.getLogger("p2p_diloco.peer")
+FIRST_POLL = 0.02  # the other members sign within milliseconds of us: look again soon, then less and less often
+MAX_POLL = 0.25
+
+
+class Certifier:
+    """The commit step (module docstring). The commit window is a record lifetime (``swarm.peer_ttl``)."""
+
+    def __init__(self, ctx: PeerContext):
+        self.ctx = ctx
+        self.window = ctx.cfg.swarm.peer_ttl
+
+    def statement(self, r: int, after: str, gathered: Mapping[str, Any]) -> Statement:
+        ctx = self.ctx
+        return commit.statement_for(ctx.cfg.run.run_id, ctx.cfg.fingerprint(), r, ctx.state.digest, after, gathered)
+
+    def certify(self, r: int, statement: Statement, got_result_at: float) -> Certificate | None:
+        """Sign ``statement`` (unless we got the result too long ago) and wait for every member's signature."""
+        ctx = self.ctx
+        signer = ctx.swarm.signer
+        if signer is None or not commit.may_sign(got_result_at, ctx.clock.monotonic(), self.window):
+            return self._failed(r, statement, "the result came too long ago to sign it safely")
+        public_key, signature = sign(statement, signer)
+        signatures = {signer.peer_id: (public_key, signature)}
+        if len(statement.members) > 1:
+            try:
+                ctx.swarm.put_blob("sig", commit.encode_signature(statement, public_key, signature), ttl=self.window)
+            except (TimeoutError, OSError) as e:
+                return self._failed(r, statement, f"could not publish our signature: {e!r}")
+        deadline, poll = got_result_at + self.window, FIRST_POLL
+        while True:
+            action = commit.decide_commit(statement, signatures, ctx.swarm.keys, ctx.clock.monotonic(), deadline,
+                                          poll)
+            if isinstance(action, commit.Commit):
+                self._publish(action.certificate)
+                return action.certificate
+            if isinstance(action, commit.Abandon) or ctx.sleep(action.seconds):
+                return self._failed(r, statement, action.reason if isinstance(action, commit.Abandon) else "stopped")
+            poll = min(MAX_POLL, poll * 2)
+            signatures.update(self._read(statement))
+
+    def _read(self, statement: Statement) -> dict[str, tuple[bytes, bytes]]:
+        swarm = self.ctx.swarm
+        try:
+            return commit.signatures_for(statement, swarm.get_blobs("sig"), swarm.get_blobs("cert"))
+        except TimeoutError:
+            log.warning("DHT did not answer while reading round signatures; retrying")
+            return {}
+
+    def _publish(self, cert: Certificate) -> None:
+        """A member that missed a signature can still commit from the complete certificate."""
+        if len(cert.statement.members) == 1:
+            return
+        try:
+            self.ctx.swarm.put_blob("cert", cert.to_bytes(), ttl=self.window)
+        except (TimeoutError, OSError, ValueError) as e:
+            log.warning("could not publish the certificate of round %d: %r", cert.round + 1, e)
+
+    def _failed(self, r: int, statement: Statement, reason: str) -> None:
+        log.warning("round %d: not committed: %s", r + 1, reason)
+        self.ctx.emit_in_round(Event.COMMIT_FAILED, r, reason=reason, members=len(statement.members))
+        return None

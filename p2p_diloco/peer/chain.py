@@ -1,0 +1,76 @@
+"""Our certified chain, and what it lets us believe of the others' records (:mod:`p2p_diloco.protocol.trust`).
+
+Every view of the swarm the rules decide from goes through :meth:`Chain.verified`: a record that claims a state
+we cannot tie to a certificate we trust is left out (and logged once), so it moves nobody: no catch-up, no
+repair, no ``swarm_target`` progress, no run-end stop. The certificates come from the swarm's ``cert`` blobs
+(each peer keeps its head certificate there); they are read only when a record claims a state we do not know.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Sequence
+
+from ..protocol.certificate import Certificate
+from ..protocol.records import View
+from ..protocol.trust import History, trust_problem, verified_view
+from .context import PeerContext
+
+log = logging.getLogger("p2p_diloco.peer")
+CACHE = 256  # parsed certificates kept, by id
+
+
+def initial_peer_ids(maddrs: Sequence[str]) -> frozenset[str] | None:
+    """The peer ids our ``--initial-peers`` name (``.../p2p/<id>``): our trust root; None if none were given."""
+    ids = frozenset(m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m)
+    return ids or None
+
+
+class Chain:
+    """Verifies the others' records against certificates (module docstring)."""
+
+    def __init__(self, ctx: PeerContext):
+        self.ctx = ctx
+        self.history = History()
+        self.roots = initial_peer_ids(ctx.cfg.swarm.initial_peers)
+        self.cache: OrderedDict[str, Certificate] = OrderedDict()
+        self.dropped: dict[str, str] = {}  # peer id -> why its record was left out (logged when it changes)
+
+    def trust(self, cert: Certificate) -> str | None:
+        """Why we may not follow ``cert`` (None if we may): :func:`~p2p_diloco.protocol.trust.trust_problem`."""
+        ctx = self.ctx
+        return trust_problem(cert, ctx.state.certificate, self.roots, ctx.cfg.run.run_id, ctx.cfg.fingerprint(),
+                             ctx.swarm.keys)
+
+    def verified(self, view: View) -> dict:
+        """The records of ``view`` whose claims we may act on."""
+        state = self.ctx.state
+        self.history.add(state.round, state.digest)
+        known = all(r.round < 0 or self.history.holds(r.round, r.digest) or (not r.digest and not r.synced)
+                    for r in view.values())
+        certificates = {} if known else self._certificates()
+        kept, dropped = verified_view(view, state.round, state.digest, self.history, certificates, self.trust)
+        for pid, why in dropped.items():
+            if self.dropped.get(pid) != why:
+                log.warning("not following the record of peer %s: %s", pid, why)
+        self.dropped = dropped
+        return kept
+
+    def _certificates(self) -> dict[str, Certificate]:
+        """The complete certificates peers keep in the swarm, by id (malformed ones are skipped)."""
+        try:
+            blobs = self.ctx.swarm.get_blobs("cert")
+        except TimeoutError:
+            log.warning("DHT did not answer while reading certificates")
+            return dict(self.cache)
+        for raw in blobs.values():
+            try:
+                cert = Certificate.from_bytes(raw)
+            except ValueError:
+                continue
+            self.cache[cert.id] = cert
+            self.cache.move_to_end(cert.id)
+        while len(self.cache) > CACHE:
+            self.cache.popitem(last=False)
+        return dict(self.cache)

@@ -1,0 +1,73 @@
+"""The commit step against the in-memory swarm: members never end a round differently, no leader alone decides
+a group, and every committed round carries a certificate signed by every member (issue 17, points 3 and 4)."""
+
+from __future__ import annotations
+
+import pytest
+
+from p2p_diloco.metrics.events import Event
+from p2p_diloco.protocol.certificate import Certificate
+from p2p_diloco.testing.harness import SimSwarm
+from tests.sim.helpers import assert_consistent, one_digest
+
+pytestmark = pytest.mark.sim
+ROUNDS = 4
+
+
+def _certificates(peer) -> dict[int, str]:
+    return {e["round"]: e["certificate"] for e in peer.of(Event.OUTER_STEP)}
+
+
+def test_a_member_failing_after_the_others_completed_commits_nothing_anywhere():
+    """Member c fails the all-reduce of round 2 (its answers came too late) while a and b hold the complete
+    average. a and b signed, c did not: no certificate of that group can exist, so nobody applies it; the round
+    is retried and all three commit the same certified rounds. Before the commit step, a and b applied round 2
+    and c had to download it (a member disagreement)."""
+    with SimSwarm([f"run.max_rounds={ROUNDS}", "swarm.min_peers=3"]) as swarm:
+        a, b, c = swarm.add(), swarm.add(), swarm.add()
+        swarm.run_until(lambda: bool(a.of(Event.OUTER_STEP, round=1)))
+        swarm.net.fail_late(c.name)
+        swarm.finish()
+        for p in (a, b):
+            failed = p.of(Event.COMMIT_FAILED, round=2)
+            assert failed and "did not sign" in failed[0]["reason"], p.events
+        for p in (a, b, c):
+            assert sorted(_certificates(p)) == list(range(1, ROUNDS + 1)), p.events  # every round, no catch-up
+            assert not p.of(Event.STATE_LOADED)
+        assert _certificates(a) == _certificates(b) == _certificates(c)
+        one_digest([a, b, c])
+        assert_consistent(swarm)
+
+
+def test_a_leader_cannot_shrink_the_group():
+    """a leads the matchmaking of round 2 with a group of 2 while every member expects 3 (hivemind's followers
+    accept the group a leader sends). Members that expected 3 refuse to sign; no group of 2 commits; the round is
+    retried with all three. Before the commit step, the pair applied round 2 and the third peer had to catch up."""
+    with SimSwarm([f"run.max_rounds={ROUNDS}", "swarm.min_peers=3"]) as swarm:
+        a, b, c = swarm.add(), swarm.add(), swarm.add()
+        swarm.run_until(lambda: bool(a.of(Event.OUTER_STEP, round=1)))
+        swarm.net.lead(a.name, size=2)
+        swarm.finish()
+        refused = [e for p in (a, b, c) for e in p.of(Event.ALLREDUCE_FAILED) if "refused the group" in e["reason"]]
+        assert refused and "a group of 2, we expected 3" in refused[0]["reason"], [p.events for p in (a, b, c)]
+        for p in (a, b, c):
+            assert sorted(_certificates(p)) == list(range(1, ROUNDS + 1)), p.events
+            assert not p.of(Event.STATE_LOADED)
+        assert _certificates(a) == _certificates(b) == _certificates(c)
+        one_digest([a, b, c])
+
+
+def test_every_committed_round_is_certified_by_all_its_members_and_chained():
+    with SimSwarm([f"run.max_rounds={ROUNDS}", "swarm.min_peers=3"]) as swarm:
+        peers = [swarm.add(), swarm.add(), swarm.add()]
+        swarm.finish()
+        keys = swarm.net.keys
+        heads = {p.summary()["chain_head"] for p in peers}
+        assert len(heads) == 1 and heads != {""}
+        state = peers[0].peer.ctx.state
+        cert = state.certificate
+        assert isinstance(cert, Certificate) and cert.problem(keys) is None
+        assert cert.statement.members == tuple(sorted(p.name for p in peers)) and cert.round == ROUNDS - 1
+        assert cert.statement.after == state.digest == one_digest(peers)
+        for p in peers:
+            assert [e["signers"] for e in p.of(Event.OUTER_STEP)] == [3] * ROUNDS
