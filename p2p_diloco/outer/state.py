@@ -48,6 +48,16 @@ class GlobalState(ABC):
         cert = self.certificate
         return cert.id if cert is not None else ""
 
+    def adopt(self, certificate: Certificate) -> bool:
+        """Take ``certificate`` as the one of our state if it certifies exactly that state (a state downloaded
+        without its certificate: sharded donations carry none). True if taken."""
+        with self.lock:
+            s = certificate.statement
+            if s.round + 1 != self.round or s.after != self.digest:
+                return False
+            self.certificate = certificate
+            return True
+
     def swarm_options(self) -> dict[str, Any]:
         """Extra arguments of the swarm factory (the shards this process averages)."""
         return {}

@@ -36,12 +36,16 @@ class Chain:
         self.roots = initial_peer_ids(ctx.cfg.swarm.initial_peers)
         self.cache: OrderedDict[str, Certificate] = OrderedDict()
         self.dropped: dict[str, str] = {}  # peer id -> why its record was left out (logged when it changes)
+        self.unverified: dict[str, int] = {}  # peer id -> the round its left-out record claims
 
     def trust(self, cert: Certificate) -> str | None:
         """Why we may not follow ``cert`` (None if we may): :func:`~p2p_diloco.protocol.trust.trust_problem`."""
+        return self.trust_from(cert, self.ctx.state.certificate)
+
+    def trust_from(self, cert: Certificate, head: Certificate | None) -> str | None:
+        """:meth:`trust` as it was when our certificate was ``head``."""
         ctx = self.ctx
-        return trust_problem(cert, ctx.state.certificate, self.roots, ctx.cfg.run.run_id, ctx.cfg.fingerprint(),
-                             ctx.swarm.keys)
+        return trust_problem(cert, head, self.roots, ctx.cfg.run.run_id, ctx.cfg.fingerprint(), ctx.swarm.keys)
 
     def verified(self, view: View) -> dict:
         """The records of ``view`` whose claims we may act on."""
@@ -55,7 +59,19 @@ class Chain:
             if self.dropped.get(pid) != why:
                 log.warning("not following the record of peer %s: %s", pid, why)
         self.dropped = dropped
+        self.unverified = {pid: view[pid].round for pid in dropped}
         return kept
+
+    def certify_download(self, head: Certificate | None) -> None:
+        """A state downloaded without a certificate (a sharded donation): take the certificate we read for exactly
+        that state, if we trusted it from ``head`` (our certificate before the download), so that our chain goes
+        on from it."""
+        state = self.ctx.state
+        if state.certificate is not None and state.certificate.statement.after == state.digest:
+            return
+        for cert in reversed(self.cache.values()):
+            if cert.statement.after == state.digest and self.trust_from(cert, head) is None and state.adopt(cert):
+                return
 
     def _certificates(self) -> dict[str, Certificate]:
         """The complete certificates peers keep in the swarm, by id (malformed ones are skipped)."""

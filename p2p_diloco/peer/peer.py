@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..checkpoint import PeerState
 from ..protocol import rules
-from ..protocol.actions import Leave, Start
+from ..protocol.actions import Leave, Repair, Start
 from ..protocol.records import Phase
 from .chain import Chain
 from .checkpoints import Checkpointer
@@ -126,10 +126,15 @@ class Peer:
         ctx.announce(Phase.DONE)
         deadline = ctx.clock.monotonic() + ctx.cfg.swarm.state_timeout
         while not ctx.stop.is_set():
-            action = rules.decide_linger(ctx.state.round, ctx.view(), ctx.clock.monotonic(), deadline,
-                                         ctx.cfg.swarm.heartbeat_period)
+            view, r = ctx.view(), ctx.state.round
+            unverified = [pid for pid, claimed in self.chain.unverified.items() if claimed == r]
+            action = rules.decide_linger(r, view, ctx.clock.monotonic(), deadline, ctx.cfg.swarm.heartbeat_period,
+                                         ctx.state.digest, unverified)
             if isinstance(action, Leave):
                 return
+            if isinstance(action, Repair):
+                self.state_sync.repair_last_round(action)
+                continue
             ctx.status(action.reason)
             ctx.sleep(action.seconds)
 

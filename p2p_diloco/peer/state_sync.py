@@ -80,6 +80,20 @@ class StateSync:
         ctx.announce(Phase.REPAIR)
         self.wait_for_round_end(r, ctx.cfg.swarm.heartbeat_period)
 
+    def repair_last_round(self, action: Repair) -> None:
+        """After the run's last round our state differs from the majority's: take theta(round) from them, the same
+        round (there is no next round to sit out)."""
+        ctx = self.ctx
+        r = ctx.state.round
+        log.error("after the last round our state (%s) differs from the majority (%s); repairing",
+                  ctx.state.digest[:12], action.digest[:12])
+        ctx.emit(Event.DESYNC_DETECTED, r, ours=ctx.state.digest, majority=action.digest)
+        plan = Download(target=r, digest=action.digest, donors=action.donors, exact_round=True, reason=action.reason)
+        if self.load(plan):
+            ctx.announce(Phase.DONE)
+        else:
+            ctx.sleep(ctx.cfg.swarm.heartbeat_period)  # decided again at the next look, until the linger deadline
+
     def wait_for_round_end(self, r: int, poll: float) -> None:
         """Sit out the round after theta(``r``): once the swarm holds theta(r+1), download it
         (:func:`rules.decide_round_end`)."""
@@ -98,6 +112,7 @@ class StateSync:
     def load(self, plan: Download) -> bool:
         """Take the state ``plan`` names from the first of its donors whose state checks out (``state_loaded``)."""
         ctx = self.ctx
+        head = ctx.state.certificate
         for donor in plan.donors:
             ctx.emit(Event.STATE_DOWNLOAD_START, plan.target, from_peer=donor)
             problem = ctx.state.fetch(ctx.swarm, donor, plan, ctx.view, ctx.cfg.fingerprint(), self.chain.trust)
@@ -105,6 +120,7 @@ class StateSync:
                 log.warning("state from %s not used: %s; trying the next donor", donor, problem)
                 ctx.emit(Event.STATE_DOWNLOAD_FAILED, plan.target, from_peer=donor, reason=problem)
                 continue
+            self.chain.certify_download(head)
             # The model gets theta at the next boundary: with outer.overlap this runs in the background while the
             # model is training.
             ctx.emit(Event.STATE_LOADED, ctx.state.round, from_peer=donor, digest=ctx.state.digest)

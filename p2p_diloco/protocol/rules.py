@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from . import consensus
 from .actions import (AllReduce, CatchUp, ConfirmAlone, Download, Leave, Repair, Solo, Start, Stay, TrainAhead,
@@ -192,15 +192,24 @@ def decide_overlap_entry(round_: int, view: View) -> TrainAhead | Start:
     return Start(phase=Phase.TRAIN, reason=f"a member of round {round_ + 1}")
 
 
-def decide_linger(round_: int, view: View, now: float, deadline: float, poll: float) -> Leave | Wait:
-    """The run's last round is done: stay a state donor (until ``deadline``) while a peer is still behind, so that
-    one that missed the last round can still catch up."""
+def decide_linger(round_: int, view: View, now: float, deadline: float, poll: float, digest: str = "",
+                  unverified: Collection[str] = ()) -> Leave | Wait | Repair:
+    """The run's last round is done. Before leaving, the digest vote every round has: if the synced peers of our
+    round mostly hold another state than ours → :class:`Repair` (a divergence in the last round is repaired too).
+    Then stay a state donor (until ``deadline``) while a peer is still behind, or while a peer of our round holds a
+    state we could not verify (``unverified``: it may be the one that repairs from us), so that it can still
+    download from us."""
     if now >= deadline:
         return Leave(reason="waited swarm.state_timeout for the peers behind")
+    good = consensus.needs_repair(view, round_, digest) if digest else None
+    if good is not None:
+        donors = tuple(sorted(pid for pid, p in consensus.synced(view, round_).items() if p.digest == good))
+        return Repair(digest=good, donors=donors, reason=f"the majority of the last round holds {good[:12]}")
     late = consensus.behind(view, round_)
-    if not late:
+    if not late and not unverified:
         return Leave(reason="no live peer is behind")
-    return Wait(seconds=poll, reason=f"finished round {round_}; waiting for {len(late)} peer(s) to catch up")
+    waiting = f"{len(late)} peer(s) to catch up" if late else f"{len(unverified)} peer(s) of our round to repair"
+    return Wait(seconds=poll, reason=f"finished round {round_}; waiting for {waiting}")
 
 
 def donation_target(target: int, digest: str | None, got: Any, donor: str, read_view: Callable[[], View],

@@ -106,6 +106,26 @@ def test_corrupted_theta_is_repaired_within_one_round():
         one_digest([good1, good2, bad])
 
 
+def test_a_divergence_in_the_last_round_is_repaired_before_exit():
+    """Issue 17, point 5: theta changes silently after the run's last outer step. Before, the peer went straight to
+    lingering and exited with weights no one else held; now the digest vote runs before it leaves."""
+    with SimSwarm(["run.max_rounds=3", "swarm.min_peers=3"]) as swarm:
+        good1, good2, bad = (swarm.add() for _ in range(3))
+
+        def corrupt():
+            state = bad.state
+            with state.lock:
+                state.theta[0].view(-1)[0] += 1e-3
+                state.digest = digest(state.theta + state.optimizer.momentum_buffers)
+
+        swarm.when(bad, lambda e: e["event"] == Event.OUTER_STEP and e["round"] == 3, corrupt)
+        swarm.finish()
+        detected = bad.of(Event.DESYNC_DETECTED)
+        assert detected and detected[0]["round"] == 3, bad.events
+        assert bad.of(Event.STATE_LOADED, round=3)
+        one_digest([good1, good2, bad])
+
+
 def test_joiner_moves_to_another_donor_when_one_dies_mid_transfer():
     with SimSwarm(["run.max_rounds=20", "swarm.min_peers=2"], download_seconds=3.0) as swarm:
         a, b = swarm.add(), swarm.add()

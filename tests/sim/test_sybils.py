@@ -68,3 +68,19 @@ def test_a_newcomer_trusts_the_chain_its_initial_peers_serve():
         loaded = late.of(Event.STATE_LOADED)
         assert loaded and all(not e["from_peer"].startswith("sybil") for e in loaded), late.events
         assert one_digest([a, b, late]) != poisoned
+
+
+def test_a_record_in_a_later_round_does_not_end_swarm_target_rounds():
+    """Issue 17, point 9: under ``swarm_target`` any record in a later round counted as "someone stopped", so one
+    liar (or a stale peer) ended every round after a single inner step. An uncertified claim now counts for
+    nothing: every round still trains the swarm's target."""
+    h = 40
+    with SimSwarm(["round.mode=swarm_target", f"train.inner_steps={h}", f"run.max_rounds={ROUNDS}",
+                   "swarm.min_peers=2"]) as swarm:
+        a, b = swarm.add(), swarm.add()
+        swarm.run_until(lambda: bool(a.of(Event.OUTER_STEP, round=2)) and bool(b.of(Event.OUTER_STEP, round=2)))
+        _plant_sybils(swarm, a, a.state.round + 1, serve=False)
+        swarm.finish([a, b], max_time=900)
+        for p in (a, b):
+            steps = {e["round"]: e["inner_steps"] for e in p.of(Event.INNER_DONE)}
+            assert all(steps[r] >= h // 2 for r in range(4, ROUNDS + 1)), steps

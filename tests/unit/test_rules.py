@@ -187,9 +187,16 @@ def test_decide_round_end(case, view, now, kind):
     ("a joiner still loading: stay", {"a": rec(0, J)}, 0.0, Wait),
     ("a repairing peer is not waited for", {"a": rec(4, R)}, 0.0, Leave),
     ("the deadline", {"a": rec(4, T)}, 60.0, Leave),
+    ("the others of the last round hold another state: repair", {"a": rec(5, D, "x"), "b": rec(5, D, "x")}, 0.0,
+     Repair),
 ])
 def test_decide_linger(case, view, now, kind):
-    assert isinstance(rules.decide_linger(5, view, now, 60.0, 1.0), kind), case
+    assert isinstance(rules.decide_linger(5, view, now, 60.0, 1.0, digest="good"), kind), case
+
+
+def test_linger_waits_for_a_peer_of_our_round_whose_state_we_could_not_verify():
+    assert isinstance(rules.decide_linger(5, {}, 0.0, 60.0, 1.0, "ours", unverified=["x"]), Wait)
+    assert isinstance(rules.decide_linger(5, {}, 60.0, 60.0, 1.0, "ours", unverified=["x"]), Leave)  # bounded
 
 
 def test_decide_overlap_entry():
