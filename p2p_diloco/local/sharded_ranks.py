@@ -8,8 +8,11 @@ joins rank 0's). The round protocol itself (who is live, the group size, straggl
 
 * ``SPSEUDO``: every rank computes the pseudo-gradient of its shards (one collective per parameter);
 * ``SSYNC``: every rank all-reduces its shards with the same shards of the round's other peers, then the ranks
-  agree (one all-reduce of success flags) to use the result only if *every* shard of *every* rank succeeded.
-  Otherwise none is used and rank 0 retries, as after any failed all-reduce: a peer never applies half a round;
+  agree (one all-reduce of success flags) to use the result only if *every* shard of *every* rank succeeded
+  and every shard was averaged with the same peers (each shard's averager gathers the main peer id of the peer it
+  averages for: :func:`~p2p_diloco.outer.shards.shard_groups_problem`, the same decision on every rank).
+  Otherwise none is used and rank 0 retries, as after any failed all-reduce: a peer never applies half a round
+  nor signs a round whose shards were averaged with different groups;
 * ``SSTEP``: the outer step on every shard, prepared aside (its digest shared), then committed or discarded once
   the round's certificate is complete or not (global digest = hash of the L shard digests);
 * ``SLOAD``: theta into the model (one collective per parameter);
@@ -32,7 +35,7 @@ from ..swarm.port import AllReduceRequest
 from .cluster import Cluster
 from .commands import SDOWNLOAD, SLOAD, SPSEUDO, SRESTORE, SSAVE, SSTEP, SSYNC
 from ..errors import RoundFailed
-from ..outer.shards import Ranks, ShardedOuter, ShardLayout, global_digest
+from ..outer.shards import Ranks, ShardedOuter, ShardLayout, global_digest, shard_groups_problem
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class ShardedRank:
         self.outer = ShardedOuter(self.layout, ranks, params, cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov)
         self.buffer = [torch.empty_like(t) for t in self.outer.theta]
         self.swarm = None  # set once started (rank 0: the peer's Swarm; others: start_follower_swarm)
+        self.main_peer: str | None = None  # rank 0's peer id (the peer's, in its records), once started
 
     def provider(self, j: int) -> tuple[dict, list[torch.Tensor]]:
         return self.outer.donation(j, self.cfg.fingerprint())
@@ -75,14 +79,18 @@ class ShardedRank:
 
     def sync(self, args: dict[str, Any] | None = None, **rank0_only: Any):
         """All-reduce our shards (``args``: round, group size, weight, deadlines; rank 0 passes them, followers
-        receive them). Returns rank 0's :class:`AllReduceResult`; raises RoundFailed unless every rank succeeded.
+        receive them). Returns rank 0's :class:`AllReduceResult`; raises RoundFailed unless every rank succeeded
+        and every shard's group was the same peers. Its ``gathered`` is shard 0's, keyed by the member processes
+        that keep shard 0, which are the peers' rank 0 (checked: each names itself), i.e. the records' peer ids.
         ``rank0_only``: gather, should_stop, on_running (rank 0's round protocol)."""
         (args,) = self._tell(SSYNC, [args])
         result, problem = None, None
+        # every shard's averager gathers the peer it averages for: the shards' groups are compared below
+        gather = dict(rank0_only.get("gather", {"round": args["round"]}), peer=self.main_peer)
         try:
             result = self.swarm.all_reduce(AllReduceRequest(
                 round=args["round"], tensors=self.buffer, weight=args["weight"], group_size=args["group_size"],
-                gather=rank0_only.get("gather", {"round": args["round"]}),
+                gather=gather,
                 should_stop=rank0_only.get("should_stop", lambda: False),
                 on_running=rank0_only.get("on_running", lambda: None), matchmaking_time=args["matchmaking_time"],
                 allreduce_timeout=args["allreduce_timeout"], matchmaking_timeout=args["matchmaking_timeout"],
@@ -91,9 +99,14 @@ class ShardedRank:
             problem = str(e)
         if not self.ranks.all_ok(problem is None):  # all or nothing across the shards of this peer
             raise RoundFailed(problem or "a shard all-reduce failed on another local rank")
+        # the peer's bytes, exclusions and shard groups, all ranks: every rank takes the same decision from them
+        moved = self.ranks.all_gather((result.bytes_sent, result.bytes_received, result.excluded,
+                                       result.shard_members))
+        members = {j: m for part in moved for j, m in (part[3] or {}).items()}
+        problem = shard_groups_problem(members, self.layout.num_shards)
+        if problem:  # the shards were averaged with different peers: no round (the buffer is still ours)
+            raise RoundFailed(f"the shards' groups differ: {problem}")
         self.swarm.read_result(self.buffer)
-        # the peer's bytes and exclusions, all ranks
-        moved = self.ranks.all_gather((result.bytes_sent, result.bytes_received, result.excluded))
         result.bytes_sent, result.bytes_received = sum(m[0] for m in moved), sum(m[1] for m in moved)
         result.excluded = {pid: reason for m in moved for pid, reason in m[2].items()}
         return result
@@ -186,7 +199,8 @@ def start_follower_swarm(rank: ShardedRank, cluster: Cluster, leader_maddrs: lis
 
     rank.swarm = Swarm(rank.cfg, rank.outer.theta, rank.provider, shards=rank.outer.owned, rank_of=leader_maddrs)
     rank.swarm.start()
-    rank.ranks.all_gather(rank.swarm.peer_id)  # rank 0 publishes which peer id serves which shard
+    ids = rank.ranks.all_gather(rank.swarm.peer_id)  # rank 0 publishes which peer id serves which shard
+    rank.main_peer = ids[0]
     rank.outer.refresh_digests()
 
 

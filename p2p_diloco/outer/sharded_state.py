@@ -63,6 +63,7 @@ class ShardedState(GlobalState):
         if self.cluster:
             self.cluster.broadcast_objects([swarm.visible_maddrs()])
         ids = self.rank.ranks.all_gather(swarm.peer_id)
+        self.rank.main_peer = ids[0]  # every shard's averager gathers it (sharded_ranks.py compares the groups)
         swarm.update(shard_peers=[ids[j % len(ids)] for j in range(self.rank.layout.num_shards)])
         self.outer.refresh_digests()
 

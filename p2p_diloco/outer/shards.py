@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,39 @@ def global_digest(shard_digests: Sequence[str]) -> str:
 def shard_digest(theta_j: torch.Tensor, momentum_j: torch.Tensor) -> str:
     """Shard j's digest: its theta and momentum (the whole outer state, as in ``rank0`` mode)."""
     return outer.digest([theta_j, momentum_j])
+
+
+def shard_groups_problem(members: Mapping[int, Mapping[str, Any]], num_shards: int) -> str | None:
+    """Why the groups the L shards of one round were averaged in are not one group of peers, or None.
+
+    ``members``: for each shard j, its group's member processes ``{process peer id: the peer it names}`` (the
+    ``"peer"`` it gathered: the main, rank 0, peer id of the peer whose shard it averaged). Every shard must have
+    been averaged with the same peers, each once, or the round mixes pseudo-gradients of different groups and no
+    certificate can describe it. Shard 0 is kept by every peer's rank 0 (:meth:`ShardLayout.owned`), so its member
+    processes *are* the peers: one naming another peer there fails too, and the group of shard 0 is the round's
+    group (the one the commit step checks and signs).
+    """
+    missing = [j for j in range(num_shards) if j not in members]
+    if missing:
+        return f"no group for shards {missing}"
+    peers: dict[int, set[str]] = {}
+    for j in range(num_shards):
+        named: dict[str, str] = {}
+        for process, peer in sorted(members[j].items()):
+            if not isinstance(peer, str) or not peer:
+                return f"member {process} of shard {j}'s group names no peer"
+            if j == 0 and peer != process:
+                return f"member {process} of shard 0's group names another peer ({peer})"
+            if peer in named:
+                return f"shard {j}'s group has two members for peer {peer} ({named[peer]}, {process})"
+            named[peer] = process
+        peers[j] = set(named)
+    for j in range(1, num_shards):
+        if peers[j] != peers[0]:
+            only_j, only_0 = sorted(peers[j] - peers[0]), sorted(peers[0] - peers[j])
+            return (f"shard {j} was averaged with other peers than shard 0 (only in shard {j}: {only_j}, "
+                    f"only in shard 0: {only_0})")
+    return None
 
 
 class ShardLayout:

@@ -133,8 +133,13 @@ class Averagers:
     # ---------------------------------------------------------------------------------------------- averaging
     def all_reduce(self, round_: int, groups: Sequence[Sequence[torch.Tensor]], weight: float, group_size: int,
                    gather: dict[str, Any], should_stop: Callable[[], bool], on_running: Callable[[], None],
-                   matchmaking_time: float, allreduce_timeout: float, look: float) -> AllReduceResult:
+                   matchmaking_time: float, allreduce_timeout: float, look: float,
+                   shards: Sequence[int] | None = None) -> AllReduceResult:
         """Average each group of tensors with its averager's group of exactly ``group_size`` peers, all at once.
+
+        ``shards`` (sharded mode): the logical shard of each averager, in order; the result's ``shard_members`` then
+        names, per shard, its group's member processes and the peer each gathered (``gather["peer"]``: the first
+        averager gathers all of ``gather``, the others ``round`` and ``peer`` only).
 
         Raises :class:`RoundFailed` if any step fails (the others are cancelled and waited for). On success the
         averages are in the averagers' buffers (:meth:`read_into`); the input tensors are never touched here.
@@ -154,7 +159,7 @@ class Averagers:
             mine = dict(gather, data=address) if address and self.p2p_only_round != round_ else gather
             controls.append(averager.step(gather=mine, weight=float(weight), timeout=look, allow_retries=False,
                                           wait=False))
-            gather = {"round": gather.get("round")}  # the other shards' members need no more than that
+            gather = {k: gather[k] for k in ("round", "peer") if k in gather}  # the other shards' members need no more
         assembled = [0.0]
 
         def running() -> None:
@@ -187,10 +192,14 @@ class Averagers:
             raise RoundFailed(f"shard groups of different sizes {sorted(sizes)}")
         gathered = {pid.to_base58(): data for pid, data in results[0]["gathered"].items()}
         excluded = {pid: reason for r in results for pid, reason in r.get("excluded", {}).items()}
+        members = None if shards is None else {
+            j: {pid.to_base58(): data.get("peer") if isinstance(data, dict) else None
+                for pid, data in r["gathered"].items()}
+            for j, r in zip(shards, results, strict=True)}
         self._check_finite()
         return AllReduceResult(results[0]["group_size"], sum(r.get("bytes_sent", 0) for r in results),
                                sum(r.get("bytes_received", 0) for r in results), time.monotonic() - t0, gathered,
-                               assembled[0], excluded)
+                               assembled[0], excluded, members)
 
     def _check_finite(self) -> None:
         """A last line of defence: a non-finite average (every reducer validates, so only a hostile reducer could

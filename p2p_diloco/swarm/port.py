@@ -61,7 +61,8 @@ class AllReduceRequest:
             member), on failure they are untouched. With ``outer.sharding = "sharded"``: one tensor per shard.
         weight: this peer's weight in the average (tokens trained in the round), > 0.
         group_size: members, us included.
-        gather: small data every member receives from every other (round, digest, tokens).
+        gather: small data every member receives from every other (round, digest, tokens). With shards, the
+            first shard's averager gathers it all and the others ``round`` and ``peer`` (the peer's main id) only.
         should_stop: polled; True cancels the attempt (the others see our part go missing).
         on_running: called once, when the group is assembled and the tensors start to flow.
         matchmaking_time, allreduce_timeout: this attempt's deadlines (None: the ``[swarm]`` constants).
@@ -91,6 +92,9 @@ class AllReduceResult:
     gathered: dict[str, Any]  # {peer id: the data it gathered}
     assembly_seconds: float = 0.0  # of ``seconds``: matchmaking, until the group was assembled
     excluded: dict[str, str] = field(default_factory=dict)  # {peer id: reason} our reducers left out
+    # With shards: {shard j: {member process's peer id: the "peer" it gathered, or None}} for this process's shards
+    # (sharded_ranks.py checks that every shard was averaged with the same peers); None without shards.
+    shard_members: dict[int, dict[str, Any]] | None = None
 
 
 class SwarmPort(Protocol):

@@ -329,7 +329,7 @@ class Swarm:
         groups = self._split(request.tensors)
         result = self.averagers.all_reduce(request.round, groups, request.weight, request.group_size,
                                            request.gather, request.should_stop, request.on_running,
-                                           matchmaking_time, allreduce_timeout, look)
+                                           matchmaking_time, allreduce_timeout, look, shards=self.shards)
         if request.commit:
             self.averagers.read_into(groups)
         return result

@@ -20,7 +20,11 @@ group it is in loses its parts), :meth:`~FakeNetwork.slow_down` (its transfers t
 :meth:`~FakeNetwork.lie` (it serves a self-consistent state that is not the majority's), :meth:`~FakeNetwork.hide`
 (one peer's reads miss another's records and blobs), :meth:`~FakeNetwork.hold` (its first all-reduce attempt of a
 round starts late), :meth:`~FakeNetwork.lead` (it forms groups of its own size), :meth:`~FakeNetwork.fail_late`
-(it fails an all-reduce the others completed).
+(it fails an all-reduce the others completed), :meth:`~FakeNetwork.mix_shard` (``outer.sharding = "sharded"``: one
+of its shards is averaged with another peer than its other shards).
+
+With shards (``outer.sharding = "sharded"``), a peer's shards are all averaged in its one group (each shard's
+group names the same members, as every member's "peer" gathered), unless :meth:`~FakeNetwork.mix_shard` says not.
 """
 
 from __future__ import annotations
@@ -67,10 +71,12 @@ class FakeNetwork:
         self.slow: dict[str, float] = {}
         self.liars: set[str] = set()
         self.hidden: set[tuple[str, str]] = set()
+        self.stale_reads: dict[tuple[str, str], tuple[dict, float]] = {}  # (reader, owner) -> record as of stale()
         self.holds: dict[tuple[str, int], float] = {}
         self.keys = FakeKeys()  # the simulated identities that sign round certificates
         self.leaders: dict[str, tuple[int, int]] = {}  # peer id -> (group size it forms, groups left)
         self.late: dict[str, int] = {}
+        self.mixed: dict[str, tuple[int, str, int]] = {}  # peer id -> (shard, stranger, groups left)
 
     def factory(self, peer_id: str) -> Callable[..., FakeSwarm]:
         """A swarm factory (``(cfg, tensors_like, state_provider, shards=None)``) for the peer ``peer_id``."""
@@ -122,6 +128,17 @@ class FakeNetwork:
         """``reader``'s reads of the records and blobs miss ``owner``'s (as a frozen or slow DHT node would)."""
         self.hidden.add((reader, owner))
 
+    def unhide(self, reader: str, owner: str) -> None:
+        """Ends :meth:`hide` (and :meth:`stale`) for this pair."""
+        self.hidden.discard((reader, owner))
+        self.stale_reads.pop((reader, owner), None)
+
+    def stale(self, reader: str, owner: str) -> None:
+        """``reader``'s reads of ``owner``'s record return the version stored now, until it expires or
+        :meth:`unhide` (as a DHT replica that missed the updates would)."""
+        if owner in self.stored:
+            self.stale_reads[(reader, owner)] = self.stored[owner]
+
     def hold(self, peer_id: str, round_: int, seconds: float) -> None:
         """The peer's first all-reduce attempt of the round that starts from theta(``round_``) starts ``seconds``
         late (the others wait in matchmaking meanwhile)."""
@@ -137,6 +154,13 @@ class FakeNetwork:
         members get the complete average: the shape of the "member disagreement" failure."""
         self.late[peer_id] = self.late.get(peer_id, 0) + groups
 
+    def mix_shard(self, peer_id: str, shard: int, stranger: str = "stranger", groups: int = 1) -> None:
+        """Sharded mode: in the next ``groups`` all-reduces this peer completes, its averager of ``shard`` was in
+        another group than its other shards (as hivemind's matchmaking per shard allows): there, process
+        ``stranger``-s``shard``, naming peer ``stranger``, took the place of one round-mate (the last by name).
+        Only this peer's view changes; the values averaged are the group's."""
+        self.mixed[peer_id] = (shard, stranger, groups)
+
     def _groups_of(self, peer_id: str) -> list[Group]:
         return [g for g in self.groups if peer_id in g.members and not g.ended.is_set()]
 
@@ -146,8 +170,8 @@ class FakeNetwork:
 
     def read(self, reader: str) -> dict[str, tuple[dict, float]]:
         now = self.clock.monotonic()
-        return {pid: item for pid, item in self.stored.items()
-                if item[1] > now and (reader, pid) not in self.hidden}
+        items = ((pid, self.stale_reads.get((reader, pid), item)) for pid, item in self.stored.items())
+        return {pid: item for pid, item in items if item[1] > now and (reader, pid) not in self.hidden}
 
     def store_blob(self, owner: str, name: str, value: bytes, ttl: float) -> None:
         """As a DHT node does: the owner's previous value stays if it expires later than this one."""
@@ -303,7 +327,21 @@ class FakeSwarm:
         gathered = {c.swarm.name: dict(c.request.gather) for c in group.calls}
         now = self.net.clock.monotonic()
         return AllReduceResult(n, moved, moved, now - call.started, gathered, group.begin_time - call.started,
-                               dict(group.excluded))
+                               dict(group.excluded), self._shard_members(group))
+
+    def _shard_members(self, group: Group) -> dict[int, dict[str, Any]] | None:
+        """Each of our shards' group: ``{member process: the peer it gathered}`` (``mix_shard`` applied)."""
+        if self.shards is None:
+            return None
+        members = {j: {c.swarm.name: c.request.gather.get("peer") for c in group.calls} for j in self.shards}
+        shard, stranger, left = self.net.mixed.pop(self.name, (None, "", 0))
+        if shard in members and len(members[shard]) > 1:
+            victim = max(pid for pid in members[shard] if pid != self.name)
+            del members[shard][victim]
+            members[shard][f"{stranger}-s{shard}"] = stranger
+        if left > 1:
+            self.net.mixed[self.name] = (shard, stranger, left - 1)
+        return members
 
     def read_result(self, tensors: Sequence[torch.Tensor]) -> None:
         for t, avg in zip(tensors, self.last.result_like(tensors), strict=True):

@@ -25,6 +25,9 @@ def test_three_peer_swarm_bit_identical_and_learning(tmp_path, reap):
     assert result["all_digests_equal"] is True
     assert len(result["peers"]) == 3
     assert len({p["global_digest"] for p in result["peers"]}) == 1
+    heads = {p["chain_head"] for p in result["peers"]}  # one certified history, signed over the real DHT
+    assert len(heads) == 1 and "" not in heads, heads
+    certificates = set()
     for peer in result["peers"]:
         assert peer["rounds_completed"] == 3 and peer["rounds_participated"] == 3
         assert peer["eval_loss_last"] < peer["eval_loss_first"]
@@ -38,8 +41,11 @@ def test_three_peer_swarm_bit_identical_and_learning(tmp_path, reap):
         assert all(e["bytes_sent"] > 0 and e["seconds"] >= 0 for e in done)
         steps = [e for e in events if e["event"] == Event.OUTER_STEP]
         assert [e["round"] for e in steps] == [1, 2, 3]
+        assert [e["signers"] for e in steps] == [3, 3, 3]
+        certificates.add(tuple(e["certificate"] for e in steps))
         for e in events:
             assert {"t", "event", "round"} <= set(e)
+    assert len(certificates) == 1 and heads == {certificates.pop()[-1]}
     # the same global weights after every round on every peer
     per_round = {}
     for peer in result["peers"]:
