@@ -13,7 +13,8 @@ from ..protocol.certificate import Certificate, Statement, sign
 from .context import PeerContext
 
 log = logging.getLogger("p2p_diloco.peer")
-FIRST_POLL = 0.02  # the other members sign within milliseconds of us: look again soon, then less and less often
+FIRST_POLL = 0.025  # the other members sign within milliseconds of us: look this often for FAST_POLLS reads,
+FAST_POLLS = 10  # then less and less often (doubling up to MAX_POLL): a member that is late is late by seconds
 MAX_POLL = 0.25
 
 
@@ -41,34 +42,28 @@ class Certifier:
                 ctx.swarm.put_blob("sig", commit.encode_signature(statement, public_key, signature), ttl=self.window)
             except (TimeoutError, OSError) as e:
                 return self._failed(r, statement, f"could not publish our signature: {e!r}")
-        deadline, poll = got_result_at + self.window, FIRST_POLL
+        deadline, poll, polls = got_result_at + self.window, FIRST_POLL, 0
         while True:
             action = commit.decide_commit(statement, signatures, ctx.swarm.keys, ctx.clock.monotonic(), deadline,
                                           poll)
-            if isinstance(action, commit.Commit):
-                self._publish(action.certificate)
+            if isinstance(action, commit.Commit):  # (the boundary publishes it: ``PeerContext.announce``)
                 return action.certificate
             if isinstance(action, commit.Abandon) or ctx.sleep(action.seconds):
                 return self._failed(r, statement, action.reason if isinstance(action, commit.Abandon) else "stopped")
-            poll = min(MAX_POLL, poll * 2)
-            signatures.update(self._read(statement))
+            polls += 1
+            poll = FIRST_POLL if polls < FAST_POLLS else min(MAX_POLL, poll * 2)
+            signatures.update(self._read(statement, certificates=polls >= FAST_POLLS))
 
-    def _read(self, statement: Statement) -> dict[str, tuple[bytes, bytes]]:
+    def _read(self, statement: Statement, certificates: bool) -> dict[str, tuple[bytes, bytes]]:
+        """The signatures over ``statement`` in the ``sig`` blobs and, once the fast reads are over (a member is
+        late: the others may have committed and published the certificate), in the ``cert`` blobs."""
         swarm = self.ctx.swarm
         try:
-            return commit.signatures_for(statement, swarm.get_blobs("sig"), swarm.get_blobs("cert"))
+            return commit.signatures_for(statement, swarm.get_blobs("sig"),
+                                         swarm.get_blobs("cert") if certificates else {})
         except TimeoutError:
             log.warning("DHT did not answer while reading round signatures; retrying")
             return {}
-
-    def _publish(self, cert: Certificate) -> None:
-        """A member that missed a signature can still commit from the complete certificate."""
-        if len(cert.statement.members) == 1:
-            return
-        try:
-            self.ctx.swarm.put_blob("cert", cert.to_bytes(), ttl=self.window)
-        except (TimeoutError, OSError, ValueError) as e:
-            log.warning("could not publish the certificate of round %d: %r", cert.round + 1, e)
 
     def _failed(self, r: int, statement: Statement, reason: str) -> None:
         log.warning("round %d: not committed: %s", r + 1, reason)
