@@ -1,0 +1,50 @@
+"""A client-mode peer hands its state to a reachable peer restarted behind it (issue 17, point 6), with real
+processes: the reachable peer is stopped after round 2, loses its newer checkpoints, resumes from round 1 and can
+take the swarm's state only from the client, which cannot be dialed: the client pushes it (swarm/state_push.py).
+The pure rules are tested in tests/unit/test_push.py, the wedge it fixes in tests/sim/test_client_push.py."""
+
+import signal
+
+import pytest
+
+from p2p_diloco.metrics.events import Event
+from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_event
+
+pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(240)]
+ROUNDS = 6  # the client steps alone while the reachable peer is away: it must not finish before it is back
+
+
+def test_a_client_pushes_its_state_to_a_reachable_peer_restarted_behind_it(tmp_path, reap):
+    boot = Proc(["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], reap)
+    maddrs = boot.wait_joined(60)
+    logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
+    common = ["--run-id", "t-push", "--initial-peers", *maddrs, "--max-rounds", str(ROUNDS), "--log-dir", str(logs),
+              "--data-seed", "7", *FAULT]
+    both = ["--set", "swarm.min_peers=2"]  # the first round of a fresh swarm: wait for each other
+    first = Proc(["join", *common, *both, "--checkpoint-dir", str(ckpt), "--summary-json", str(tmp_path / "a.json")],
+                 reap)
+    client = Proc(["join", *common, *both, "--client-mode", "--summary-json", str(tmp_path / "c.json")], reap)
+    first.wait_joined()
+    client.wait_joined()
+    wait_for_event(logs / first.peer_id / "events.jsonl",
+                   lambda e: e["event"] == Event.CHECKPOINT_SAVED and e["round"] == 2, 120, first)
+    first.signal(signal.SIGTERM)
+    assert first.wait(60) == 0, first.stderr_tail()
+    for newer in sorted(ckpt.glob("round-*.pt")):  # lost with its disk: it resumes from round 1
+        if int(newer.stem.split("-")[1]) > 1:
+            newer.unlink()
+    again = Proc(["join", *common, "--checkpoint-dir", str(ckpt), "--resume",
+                  "--summary-json", str(tmp_path / "a2.json")], reap)
+    again.wait_joined()
+    assert again.wait(150) == 0, again.stderr_tail()
+    assert client.wait(60) == 0, client.stderr_tail()
+    events = events_of(logs, again)
+    assert [e["round"] for e in events if e["event"] == Event.RESUMED] == [1]
+    # a client's join line names the entry points it joined through, not itself: its id is the other log dir
+    (client_id,) = {d.name for d in logs.iterdir()} - {first.peer_id, again.peer_id}
+    loaded = [e for e in events if e["event"] == Event.STATE_LOADED]
+    assert loaded and loaded[0]["from_peer"] == client_id and loaded[0]["round"] >= 2, events
+    assert any(e["event"] == Event.ALLREDUCE_DONE and e["group_size"] == 2 for e in events), "never averaged again"
+    a2, c = load_json(tmp_path / "a2.json"), load_json(tmp_path / "c.json")
+    assert a2["rounds_completed"] == c["rounds_completed"] == ROUNDS
+    assert a2["global_digest"] == c["global_digest"]
