@@ -72,3 +72,28 @@ def test_the_wish_fields_pass_the_dht_schema():
     assert normalize_record(dict(record, wants=None, ask="")) == {k: v for k, v in record.items() if k != "wants"} | {
         "ask": ""}
     assert PeerRecord.from_wire(record).wants == 4
+
+
+def test_the_pusher_serves_each_wish_once_and_only_with_a_certified_state():
+    import time
+
+    from p2p_diloco.swarm.state_push import Pusher
+
+    calls, answers = [], iter([False, True])
+    pusher = Pusher("me", lambda peer, timeout: calls.append(peer) or next(answers), timeout=60.0)
+
+    def poll(ours, records):
+        pusher.poll(records, ours)
+        deadline = time.monotonic() + 5
+        while pusher._busy.locked() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    wish = {"a": {"round": 1, "phase": "join", "wants": 3, "ask": "me"}, "me": {"round": 3, "ask": "me", "wants": 3}}
+    poll({"round": 3, "phase": "train", "head": ""}, wish)  # no certificate: nothing is pushed
+    poll({"round": 3, "phase": "repair", "head": "ab"}, wish)  # not a synced state: nothing either
+    assert calls == []
+    certified = {"round": 3, "phase": "train", "head": "ab"}
+    poll(certified, wish)  # refused (the asker was not ready): retried at the next heartbeat
+    poll(certified, wish)  # taken
+    poll(certified, wish)  # already served: not pushed again
+    assert calls == ["a", "a"]
