@@ -18,18 +18,19 @@ import threading
 import time
 from typing import AsyncIterator, Callable
 
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
-from hivemind.compression import CompressionInfo
 
 from ..protocol.push import PushSlot, over_limit, push_targets, slot_refusal
 from ..protocol.records import PeerRecord
 
 logger = get_logger(__name__)
+# The answer to a push we did not ask for (hivemind's message codes have no better name for "not expecting this").
+REFUSED = averaging_pb2.NOT_LOOKING_FOR_GROUP
 
 
 class PushMixin:
@@ -47,7 +48,7 @@ class PushMixin:
         problem = slot_refusal(slot, sender, time.monotonic())
         if problem:
             logger.info(f"refused a state push from {sender}: {problem}")
-            return averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_EXPECTING_REQUESTS)
+            return averaging_pb2.MessageFromLeader(code=REFUSED)
         slot.busy = True
         try:
             state = await asyncio.wait_for(self._read_push(requests, slot.max_bytes),
