@@ -61,13 +61,22 @@ def alone_ahead(view: View, round_: int) -> bool:
 
 def pick_donors(view: View, round_: int, rng: random.Random) -> tuple[str | None, list[str]]:
     """``(digest, donors)``: the majority digest among synced peers of ``round_`` and the peers holding it, in
-    random order (spreads the download load; a dead donor is simply skipped by the caller)."""
+    random order (spreads the download load; a dead donor is simply skipped by the caller), reachable donors first.
+
+    A client-mode peer accepts no inbound connection: it is a donor of last resort, after every reachable one, and
+    can only hand its state over by pushing it to a reachable peer that asks (protocol/push.py)."""
     at = synced(view, round_)
     digest = majority_digest(p.digest for p in at.values())
-    # a client-mode peer accepts no inbound connection: it votes, but nobody can download from it
-    donors = sorted(pid for pid, p in at.items() if p.digest == digest and not p.client)
-    rng.shuffle(donors)
-    return digest, donors
+    reachable = sorted(pid for pid, p in at.items() if p.digest == digest and not p.client)
+    clients = sorted(pid for pid, p in at.items() if p.digest == digest and p.client)
+    rng.shuffle(reachable)
+    rng.shuffle(clients)
+    return digest, reachable + clients
+
+
+def reachable_first(view: View, donors: Iterable[str]) -> tuple[str, ...]:
+    """``donors`` sorted, the client-mode peers (donors of last resort, :func:`pick_donors`) after the others."""
+    return tuple(sorted(donors, key=lambda pid: (bool(view[pid].client) if pid in view else False, pid)))
 
 
 def needs_repair(view: View, round_: int, ours: str) -> str | None:

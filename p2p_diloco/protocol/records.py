@@ -58,6 +58,10 @@ class PeerRecord:
     eval_loss: float | None = field(default=None, metadata=wire("finite"))
     last_sync: float | None = field(default=None, metadata=wire("finite"))  # time.time() of its last all-reduce
     shard_peers: tuple[str, ...] | None = field(default=None, metadata=wire("str_list"))  # sharded: who keeps j
+    # A reachable peer catching up from a client-mode donor: the round it needs (``wants``) and the client it asks
+    # to push it (``ask``, a peer id; "" or absent: no wish). See protocol/push.py.
+    wants: int | None = field(default=None, metadata=wire("count"))
+    ask: str = field(default="", metadata=wire("peer_id"))
 
     @property
     def synced(self) -> bool:

@@ -129,7 +129,8 @@ def decide_sync(s: SyncState, view: View, now: float
         return CatchUp(reason=f"the swarm is past round {r} (or will not follow us): our round is lost")
     good = consensus.needs_repair(view, r, s.digest)
     if good is not None:
-        donors = tuple(sorted(pid for pid, p in consensus.synced(view, r).items() if p.digest == good))
+        donors = consensus.reachable_first(view, (pid for pid, p in consensus.synced(view, r).items()
+                                                          if p.digest == good))
         return Repair(digest=good, donors=donors, reason=f"the majority of round {r} holds {good[:12]}")
     late = [pid for pid in consensus.training(view, r) if pid not in s.cooling]
     ready = (Phase.TRAIN, Phase.SYNC) if now <= s.straggler_deadline or not late else (Phase.SYNC,)
@@ -203,7 +204,8 @@ def decide_linger(round_: int, view: View, now: float, deadline: float, poll: fl
         return Leave(reason="waited swarm.state_timeout for the peers behind")
     good = consensus.needs_repair(view, round_, digest) if digest else None
     if good is not None:
-        donors = tuple(sorted(pid for pid, p in consensus.synced(view, round_).items() if p.digest == good))
+        donors = consensus.reachable_first(view, (pid for pid, p in consensus.synced(view, round_).items()
+                                                          if p.digest == good))
         return Repair(digest=good, donors=donors, reason=f"the majority of the last round holds {good[:12]}")
     late = consensus.behind(view, round_)
     if not late and not unverified:

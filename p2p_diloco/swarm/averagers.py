@@ -26,6 +26,7 @@ from .port import AllReduceResult
 from .exact_averager import ExactAverager
 from .compression import compression_for
 from .fastpath import listen_socket
+from ..protocol.push import push_limit
 
 log = logging.getLogger("p2p_diloco.swarm")
 
@@ -84,8 +85,10 @@ class Averagers:
         self.rms_history = [collections.deque(maxlen=RMS_HISTORY) for _ in self.keys]
         self._corruption = torch.Generator().manual_seed(cfg.run.seed + 1)  # debug.corrupt_pseudo_gradient only
         prefix = f"{cfg.run.run_id}_{cfg.fingerprint()}"
+        self.state_sizes: list[tuple[int, int]] = []  # per averager: (bytes, tensors) of theta and its momentum
         for n, key in enumerate(self.keys):
             buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in groups[key]]
+            self.state_sizes.append((2 * sum(b.numel() * b.element_size() for b in buffers), 2 * len(buffers)))
             averager = ExactAverager(
                 buffers, dht, start=False, prefix=prefix + (f"_{key}" if key else ""),
                 target_group_size=2, min_group_size=2, min_matchmaking_time=self.sc.matchmaking_time,
@@ -226,6 +229,37 @@ class Averagers:
         if not isinstance(metadata, dict):
             raise RoundFailed(f"state download from {peer_id} failed: malformed metadata")
         return metadata, list(tensors)
+
+
+    def receive_push(self, peer_id: str, wants: int, timeout: float, ask: Callable[[int | None, str], None]
+                     ) -> tuple[dict, list[torch.Tensor]]:
+        """(metadata, tensors) pushed by the client-mode peer ``peer_id``, which cannot be dialed: open the slot
+        for its push (at most our own state's size plus metadata), publish our wish (``ask(wants, peer_id)``), wait
+        for the push within ``timeout``, and withdraw the wish (``ask(None, "")``). RoundFailed on any failure."""
+        fail = f"state download from {peer_id} failed"
+        if self.sc.client_mode:
+            raise RoundFailed(f"{fail}: both peers are in client mode (neither accepts a connection)")
+        if len(self.list) != 1:
+            raise RoundFailed(f"{fail}: a client-mode peer cannot push a shard")
+        averager = self.list[0]
+        future = averager.await_push(peer_id, wants, push_limit(*self.state_sizes[0]), timeout)
+        try:
+            ask(wants, peer_id)
+            metadata, tensors = future.result(timeout=timeout + 5)
+        except Exception as e:
+            raise RoundFailed(f"{fail}: no push: {one_line(e)}") from None
+        finally:
+            try:
+                ask(None, "")
+            except Exception as e:  # the wish expires with the record anyway
+                log.debug("could not withdraw our push wish: %r", e)
+        if not isinstance(metadata, dict):
+            raise RoundFailed(f"{fail}: malformed metadata")
+        return metadata, list(tensors)
+
+    def push(self, peer_id: str, timeout: float) -> bool:
+        """Push our state to ``peer_id`` (we are a client-mode peer it asked); True if it took it."""
+        return self.list[0].push_state(peer_id, timeout)
 
 
 def _rms(tensors: Sequence[torch.Tensor]) -> float:

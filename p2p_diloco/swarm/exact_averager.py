@@ -40,16 +40,20 @@ from hivemind.utils.streaming import combine_from_streaming
 from ..outer.aggregation import Policy
 from .fastpath import DataServer, FastAllReduce
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
+from .state_push import PushMixin
 
 logger = get_logger(__name__)
 
 
-class ExactAverager(DecentralizedAverager):
+class ExactAverager(PushMixin, DecentralizedAverager):
     """DecentralizedAverager that runs :class:`ExactAllReduceRunner` and refuses partial results.
 
     ``step()`` returns ``{"gathered": {peer_id: data}, "group_size": n, "bytes_sent": b, "bytes_received": b}``
     on success; the averaged tensors then hold the exact average. On any failure it raises, and the averaged
     tensors must be treated as garbage (the host discards them).
+
+    A client-mode averager cannot be downloaded from: it pushes its state to a reachable peer that asked for it,
+    which receives it with ``rpc_push_state`` (:class:`~p2p_diloco.swarm.state_push.PushMixin`).
     """
 
     _last_stats: dict

@@ -37,13 +37,14 @@ Finite = pydantic.confloat(strict=True, allow_inf_nan=False)
 Rate = pydantic.confloat(strict=True, ge=0, allow_inf_nan=False)
 Fingerprint = pydantic.constr(strict=True, regex=r"^[0-9a-f]{16}$")  # Config.fingerprint()
 Digest = pydantic.constr(strict=True, regex=r"^[0-9a-f]{0,64}$")  # sha256 hexdigest (outer.optimizer.digest)
+PeerIdText = pydantic.constr(strict=True, regex=r"^[0-9A-Za-z]{0,128}$")  # a base58 peer id ("" = none)
 PhaseName = Literal[tuple(p.value for p in Phase)]  # type: ignore[valid-type]
 ConfigValue = Union[StrictBool, StrictInt, StrictFloat, StrictStr, List[StrictStr]]
 ConfigRecord = Dict[StrictStr, ConfigValue]  # Config.fingerprint_fields(): {"section.key": value}
 # The wire type of each kind of field of the typed record (PeerRecord's ``wire`` metadata): one definition of the
 # record's fields, in p2p_diloco/protocol/records.py, for the rules and for this schema.
 WIRE_TYPES = {"fingerprint": Fingerprint, "count": Count, "phase": PhaseName, "bool": StrictBool, "finite": Finite,
-              "rate": Rate, "digest": Digest, "str_list": List[StrictStr]}
+              "rate": Rate, "digest": Digest, "str_list": List[StrictStr], "peer_id": PeerIdText}
 
 
 class _LiveRecordBase(pydantic.BaseModel):

@@ -13,7 +13,9 @@ the operations it needs:
 * store and read small signed blobs per peer (``put_blob`` / ``get_blobs``: the round certificate exchange), with
   the same ownership checks and a size and lifetime bound that every DHT node enforces (schema.py);
 * all-reduce a list of tensors with exactly ``group_size`` peers of the same round, all-or-nothing;
-* download (round, theta, momentum) from a given live peer (the round protocol picks it: consensus.py);
+* download (round, theta, momentum) from a given live peer (the round protocol picks it: consensus.py); a
+  client-mode peer cannot be dialed, so it is asked to push its state instead (state_push.py), and a client-mode
+  peer pushes its state to the peers that ask it;
 * in a private run (``swarm.allowed_peers``), ignore every peer outside the list (allowlist.py).
 
 No coordinator: every decision is taken locally from the DHT records, the same way on every peer.
@@ -37,6 +39,7 @@ from ..errors import ConfigMismatch, SwarmError
 from .allowlist import resolve_allowed_peers
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from .averagers import Averagers, one_line
+from .state_push import Pusher
 from .port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob
 from .identity import Identity, OwnedRecordsValidator, RSAKeyBook, records_by_owner
 from .schema import (LIFETIMES, RUN_KEYS, RecordLimitsValidator, RunRecordsValidator, check_config_record,
@@ -114,6 +117,7 @@ class Swarm:
         self._seen: dict[str, tuple[dict, float]] = {}  # live records read so far, with their DHT expiration
         self._kept: dict[str, tuple[bytes, float]] = {}  # keep_blob: name -> (value, time.monotonic() of its put)
         self.averagers: Averagers | None = None
+        self._pusher: Pusher | None = None  # client mode: hands our state to the peers that ask (state_push.py)
         self._owned: set[int] | None = None  # our processes (None until started: then every child is ours)
         self.allowed = resolve_allowed_peers(self.sc.allowed_peers)  # None: an open swarm (allowlist.py)
 
@@ -168,6 +172,8 @@ class Swarm:
         except BaseException:
             self.shutdown()  # a half-started peer must not leave its DHT/p2pd processes behind
             raise
+        if not follower and self.sc.client_mode:
+            self._pusher = Pusher(self.peer_id, self.averagers.push, self.sc.state_timeout)
         if not follower:
             self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
             self._heartbeat.start()
@@ -264,6 +270,10 @@ class Swarm:
             try:
                 self.publish()
                 self._refresh_kept()
+                if self._pusher is not None:  # a client-mode peer: push our state to the peers that ask us
+                    with self._record_lock:
+                        ours = dict(self._record)
+                    self._pusher.poll(self._read_dict(f"{self.run_id}.live"), ours)
                 beats += 1
                 if beats % 10 == 0:
                     self._publish_config()
@@ -349,6 +359,11 @@ class Swarm:
     def download_state(self, peer_id: str, shard: int | None = None) -> tuple[dict, list[torch.Tensor]]:
         """Download ``(metadata, tensors)`` from the given live peer (with ``shard``: that shard's state, from the
         process of that peer that keeps it); raises :class:`RoundFailed` on any failure (the donor died or froze
-        mid-transfer, refused, or sent nothing) within ``swarm.state_timeout``."""
+        mid-transfer, refused, or sent nothing) within ``swarm.state_timeout``. A client-mode peer is asked to push
+        its state instead (:meth:`Averagers.receive_push`)."""
+        known = self._seen.get(peer_id)
+        if known is not None and known[0].get("client") is True:  # it cannot be dialed: it pushes (state_push.py)
+            ask = lambda wants, peer: self.publish(wants=wants, ask=peer)  # noqa: E731
+            return self.averagers.receive_push(peer_id, int(known[0].get("round", 0)), self.sc.state_timeout, ask)
         index = 0 if shard is None else self.shards.index(shard)
         return self.averagers.download(index, peer_id, self.sc.state_timeout)

@@ -133,6 +133,8 @@ def matchmake(net: Any, call: Call) -> None:
         size = call.request.group_size
     if len(same) < size:
         return
+    if size > 1 and all(c.swarm.sc.client_mode for c in same[:size]):
+        return  # hivemind: client-mode peers only join groups led by a peer that accepts connections
     if leader is not None:
         size_, left = net.leaders[leader.swarm.peer_id]
         net.leaders[leader.swarm.peer_id] = (size_, left - 1)
