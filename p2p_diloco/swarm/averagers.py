@@ -188,21 +188,8 @@ class Averagers:
                 log.warning("direct TCP all-reduce failed (%s); using libp2p streams for this round", one_line(e))
                 self.p2p_only_round = round_
             raise RoundFailed(one_line(e)) from None
-        if not all(results):
-            raise RoundFailed("could not find a group")
-        sizes = {r["group_size"] for r in results}
-        if len(sizes) != 1:  # each averager was told the size; a mismatch would mean a partial round
-            raise RoundFailed(f"shard groups of different sizes {sorted(sizes)}")
-        gathered = {pid.to_base58(): data for pid, data in results[0]["gathered"].items()}
-        excluded = {pid: reason for r in results for pid, reason in r.get("excluded", {}).items()}
-        members = None if shards is None else {
-            j: {pid.to_base58(): data.get("peer") if isinstance(data, dict) else None
-                for pid, data in r["gathered"].items()}
-            for j, r in zip(shards, results, strict=True)}
         self._check_finite()
-        return AllReduceResult(results[0]["group_size"], sum(r.get("bytes_sent", 0) for r in results),
-                               sum(r.get("bytes_received", 0) for r in results), time.monotonic() - t0, gathered,
-                               assembled[0], excluded, members)
+        return _result(results, shards, time.monotonic() - t0, assembled[0])
 
     def _check_finite(self) -> None:
         """A last line of defence: a non-finite average (every reducer validates, so only a hostile reducer could
@@ -283,6 +270,26 @@ def _wait_step_finished(control, timeout: float) -> None:
         time.sleep(0.02)
     if control.stage != AveragingStage.FINISHED:
         log.warning("a cancelled all-reduce step did not finish within %.0f s", timeout)
+
+
+def _result(results: list, shards: Sequence[int] | None, seconds: float, assembled: float) -> AllReduceResult:
+    """One :class:`AllReduceResult` from every averager's step result (RoundFailed if they do not add up to one
+    group): bytes summed, the first group's gathered data, every reducer's exclusions, and (sharded) each shard's
+    members with the peer each gathered."""
+    if not all(results):
+        raise RoundFailed("could not find a group")
+    sizes = {r["group_size"] for r in results}
+    if len(sizes) != 1:  # each averager was told the size; a mismatch would mean a partial round
+        raise RoundFailed(f"shard groups of different sizes {sorted(sizes)}")
+    gathered = {pid.to_base58(): data for pid, data in results[0]["gathered"].items()}
+    excluded = {pid: reason for r in results for pid, reason in r.get("excluded", {}).items()}
+    members = None if shards is None else {
+        j: {pid.to_base58(): data.get("peer") if isinstance(data, dict) else None
+            for pid, data in r["gathered"].items()}
+        for j, r in zip(shards, results, strict=True)}
+    return AllReduceResult(results[0]["group_size"], sum(r.get("bytes_sent", 0) for r in results),
+                           sum(r.get("bytes_received", 0) for r in results), seconds, gathered, assembled, excluded,
+                           members)
 
 
 def _wait_step(control, deadline: float, should_stop: Callable[[], bool], on_running: Callable[[], None]):
