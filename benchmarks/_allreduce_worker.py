@@ -262,7 +262,7 @@ class Worker:
 
         sleep_until(at)
         out = {"commit_s": commit_seconds(self.swarm, members, round)}
-        if outer:
+        if outer and self.rank == 0:  # one process at a time: a peer's outer step runs on its own machine
             out["outer_old_s"], out["outer_new_s"] = outer_step_seconds(self.originals)
         return out
 

@@ -14,6 +14,7 @@ signature exchange is the peer's own code: :class:`~p2p_diloco.peer.certifier.Ce
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from types import SimpleNamespace
@@ -68,10 +69,15 @@ def commit_seconds(swarm: BareSwarm, members: list[str], round_: int) -> float:
     return seconds
 
 
-def outer_step_seconds(payload: list) -> tuple[float, float]:
-    """``(old, new)`` seconds of the outer step and its digest (module docstring), on copies of ``payload``: the
-    new one is the peer's own ``WholeState.prepare`` + ``commit``, timed on its second round (the buffers it
-    computes aside in are allocated once, in its first)."""
+def outer_step_seconds(payload: list, repeats: int = 5) -> tuple[float, float]:
+    """``(old, new)`` median seconds of the outer step and its digest (module docstring) over ``repeats``
+    alternating runs, on copies of ``payload``: the new one is the peer's own ``WholeState.prepare`` + ``commit``,
+    timed from its second round on (the buffers it computes aside in are allocated once, in its first)."""
+    olds, news = zip(*(_outer_step_once(payload) for _ in range(repeats)))
+    return statistics.median(olds), statistics.median(news)
+
+
+def _outer_step_once(payload: list) -> tuple[float, float]:
     import torch
 
     from p2p_diloco.outer.optimizer import OuterOptimizer, legacy_digest

@@ -78,6 +78,9 @@ def eval_by_round(events: list[dict]) -> dict[int, float]:
 
 
 # Fault tests: short rounds, and timeouts small enough that a lost peer costs seconds, not minutes.
+# A lone peer confirms for a record lifetime (peer_ttl + one heartbeat, 7 s by default) that no round-mate is live
+# before every solo step: a short lifetime keeps tests of one peer short.
+LONE = ["--set", "swarm.peer_ttl=2", "--set", "swarm.heartbeat_period=0.5"]
 FAULT = [*FAST, "--inner-steps", "20", "--set", "swarm.allreduce_timeout=20", "--set", "swarm.next_chunk_timeout=5",
          "--set", "swarm.part_size_bytes=16384"]
 

@@ -13,14 +13,15 @@ from p2p_diloco.outer.optimizer import digest
 
 from p2p_diloco.metrics.events import Event
 from tests.conftest import survivors
-from tests.swarm.helpers import FAULT, Proc, events_of, load_json, wait_for_event
+from tests.swarm.helpers import FAULT, LONE, Proc, events_of, load_json, wait_for_event
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def _lone(tmp_path, tag, name, *args, rounds=4):
     return Proc(["join", "--run-id", f"t-ckpt-{name}", "--data-seed", "7", "--max-rounds", str(rounds),
-                 "--log-dir", str(tmp_path / name), "--summary-json", str(tmp_path / f"{name}.json"), *FAULT, *args],
+                 "--log-dir", str(tmp_path / name), "--summary-json", str(tmp_path / f"{name}.json"), *FAULT, *LONE,
+                 *args],
                 tag)
 
 

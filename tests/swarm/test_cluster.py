@@ -15,7 +15,7 @@ import torch
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.checkpoint import CheckpointStore
 from p2p_diloco.cli.launcher import parse_join_line
-from tests.swarm.helpers import (FAULT, Proc, events_of, load_json, start_peers, torchrun_args)
+from tests.swarm.helpers import (FAULT, LONE, Proc, events_of, load_json, start_peers, torchrun_args)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(300)]
 ROUNDS = 3
@@ -82,7 +82,7 @@ def test_cluster_peer_resumes_bit_identically(tmp_path, reap, parallelism, shard
     (the STATE command); in sharded mode each rank writes and reads its own shard files (SSAVE, SRESTORE). The lr
     horizon is fixed (train.total_steps) so that --max-rounds does not change it. (The round-2 checkpoint of the
     straight run is removed first: resuming from round 1 is what a peer stopped after round 1 would do.)"""
-    common = ["--run-id", f"t-cluster-resume-{parallelism}-{sharding}", "--data-seed", "7", *FAULT, "--set",
+    common = ["--run-id", f"t-cluster-resume-{parallelism}-{sharding}", "--data-seed", "7", *FAULT, *LONE, "--set",
               "train.total_steps=40", "--set", f"train.parallelism={parallelism}", "--set",
               f"outer.sharding={sharding}", "--set", "outer.shards=3"]
     python_args = torchrun_args(2)

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from p2p_diloco.export import load_trained
 from tests.conftest import survivors
-from tests.swarm.helpers import FAST, Proc, eval_by_round, events_of, load_json
+from tests.swarm.helpers import FAST, LONE, Proc, eval_by_round, events_of, load_json
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,7 +23,7 @@ def test_eval_and_export_of_a_trained_checkpoint(tmp_path, reap):
     ckpt, out = tmp_path / "ckpt", tmp_path / "hf"
     run = Proc(["join", "--run-id", "t-export", "--data-seed", "3", "--max-rounds", "2", "--inner-steps", "10",
                 "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path / "logs"),
-                "--summary-json", str(tmp_path / "run.json"), *FAST], reap)
+                "--summary-json", str(tmp_path / "run.json"), *FAST, *LONE], reap)
     assert run.wait(240) == 0, run.stderr_tail()
     summary = load_json(tmp_path / "run.json")
     peer_eval = eval_by_round(events_of(tmp_path / "logs", run))
