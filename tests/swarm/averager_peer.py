@@ -1,6 +1,7 @@
 """One ExactAverager peer for test_averager.py, run as its own subprocess (process group).
 
 Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K] [--attempts A]
+                       [--retry-only-matchmaking]
                        [--codec none|fp16|bf16|int8|int4]
                        [--slow-answers SECONDS] [--trailing-error]
 Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
@@ -93,6 +94,8 @@ def main() -> None:
     p.add_argument("--initial", nargs="*", default=None)
     p.add_argument("--die-after-parts", type=int, default=None)
     p.add_argument("--attempts", type=int, default=1)
+    p.add_argument("--retry-only-matchmaking", action="store_true",
+                   help="retry only an attempt that found no group (an all-reduce failure ends the run)")
     p.add_argument("--slow-answers", type=float, default=0.0)
     p.add_argument("--trailing-error", action="store_true")
     p.add_argument("--no-wait", action="store_true", help="shut down at once after writing the result")
@@ -140,6 +143,8 @@ def main() -> None:
             break
         except Exception as e:
             errors.append(repr(e)[:300])
+            if args.retry_only_matchmaking and "could not find a group" not in repr(e):
+                break
     else:
         result = None
     if result is not None:

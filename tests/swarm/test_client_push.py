@@ -1,8 +1,8 @@
 """A client-mode peer hands its state to a reachable peer restarted behind it (issue 17, point 6), with real
 processes: the reachable peer is stopped after round 2, loses its newer checkpoints, resumes from round 1 and can
 take the swarm's state only from the client, which cannot be dialed: the client pushes it (swarm/state_push.py).
-Once on 127.0.0.1, once with the client behind a firewall that drops every inbound connection (network
-namespaces, tests/swarm/netns.py). The pure rules are tested in tests/unit/test_push.py and test_state_push.py,
+The client is behind a firewall that drops every inbound connection (network namespaces, tests/swarm/netns.py):
+the push goes out through it. (On 127.0.0.1 the same scenario took 31-43 s and passed; one real test is kept.) The pure rules are tested in tests/unit/test_push.py and test_state_push.py,
 the wedge it fixes in tests/sim/test_client_push.py."""
 
 import signal
@@ -53,11 +53,6 @@ def _restart_behind_client(tmp_path, reap, entry, reachable=(), reachable_in=Non
     a2, c = load_json(tmp_path / "a2.json"), load_json(tmp_path / "c.json")
     assert a2["rounds_completed"] == c["rounds_completed"] == ROUNDS
     assert a2["global_digest"] == c["global_digest"]
-
-
-def test_a_client_pushes_its_state_to_a_reachable_peer_restarted_behind_it(tmp_path, reap):
-    boot = Proc(["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0"], reap)
-    _restart_behind_client(tmp_path, reap, boot.wait_joined(60))
 
 
 @pytest.fixture
