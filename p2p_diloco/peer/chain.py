@@ -14,7 +14,7 @@ from typing import Sequence
 
 from ..protocol.certificate import Certificate
 from ..protocol.records import View
-from ..protocol.trust import History, trust_problem, verified_view
+from ..protocol.trust import History, extension_problem, trust_problem, verified_view
 from .context import PeerContext
 
 log = logging.getLogger("p2p_diloco.peer")
@@ -37,10 +37,17 @@ class Chain:
         self.cache: OrderedDict[str, Certificate] = OrderedDict()
         self.dropped: dict[str, str] = {}  # peer id -> why its record was left out (logged when it changes)
         self.unverified: dict[str, int] = {}  # peer id -> the round its left-out record claims
+        self.former_ids: set[str] = set()  # our own peer ids before a restart (a checkpoint names who wrote it)
 
     def trust(self, cert: Certificate) -> str | None:
         """Why we may not follow ``cert`` (None if we may): :func:`~p2p_diloco.protocol.trust.trust_problem`."""
         return self.trust_from(cert, self.ctx.state.certificate)
+
+    def extension_problem(self, members) -> str | None:
+        """Why a round certified by ``members`` would not follow our chain: we never sign one
+        (:func:`~p2p_diloco.protocol.trust.extension_problem`)."""
+        ours = set(members) | (self.former_ids if self.ctx.swarm.peer_id in members else set())
+        return extension_problem(ours, self.ctx.state.certificate, self.roots)
 
     def trust_from(self, cert: Certificate, head: Certificate | None) -> str | None:
         """:meth:`trust` as it was when our certificate was ``head``."""

@@ -66,7 +66,7 @@ class Peer:
         ctx.verify = self.chain.verified
         self.state_sync = StateSync(ctx, self.chain)
         self.inner = InnerLoop(ctx, training, self.stats)
-        self.syncer = Syncer(ctx, self.state_sync, self.stats)
+        self.syncer = Syncer(ctx, self.state_sync, self.stats, self.chain)
         self.checkpoints = Checkpointer(ctx, training, self.stats, cluster)
         self.rounds = Rounds(ctx, training, self.inner, self.syncer, self.checkpoints, self.stats)
         self.overlap = OverlapLoop(ctx, self.rounds, self.state_sync) if ctx.cfg.outer.overlap else None
@@ -82,6 +82,8 @@ class Peer:
             ctx.state.attach(ctx.swarm, self.training.replica)
             if self.resumed:
                 self.checkpoints.restore(self.resumed)
+                # a restart without --identity-path has a new peer id: it still continues the chain it wrote
+                self.chain.former_ids.add(str(self.resumed.extra.get("peer_id") or ""))
             ctx.swarm.publish(ready=True)  # data and model are built: we can start a round at once
             self._wait_for_peers()
             self.rounds.boundary(self.state_sync.join(self.rounds.finished))

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 
-from ..errors import RoundFailed
+from ..errors import RoundFailed, SwarmError
 from ..metrics.events import Event
 from ..protocol import consensus, rules
-from ..protocol.actions import AllReduce, CatchUp, ConfirmAlone, Repair, Solo, Wait
+from ..protocol.actions import AllReduce, CatchUp, ConfirmAlone, GiveUp, Repair, Solo, Wait
 from ..protocol.deadlines import Deadlines, StragglerWait
 from ..protocol.liveness import Liveness
 from ..protocol.records import Phase
@@ -18,6 +18,7 @@ from ..swarm.port import AllReduceRequest, AllReduceResult
 from ..protocol import commit
 from ..protocol.certificate import Certificate
 from .certifier import Certifier
+from .chain import Chain
 from .context import PeerContext, PeerStats
 from .state_sync import StateSync
 
@@ -27,8 +28,8 @@ log = logging.getLogger("p2p_diloco.peer")
 class Syncer:
     """One round's sync (module docstring). ``last_group_size`` and the deadlines carry over between rounds."""
 
-    def __init__(self, ctx: PeerContext, state_sync: StateSync, stats: PeerStats):
-        self.ctx, self.state_sync, self.stats = ctx, state_sync, stats
+    def __init__(self, ctx: PeerContext, state_sync: StateSync, stats: PeerStats, chain: Chain):
+        self.ctx, self.state_sync, self.stats, self.chain = ctx, state_sync, stats, chain
         self.deadlines = Deadlines(ctx.cfg.swarm)
         self.certifier = Certifier(ctx)
         self.last_group_size = 1  # of our last all-reduce (1: we stepped alone)
@@ -49,7 +50,8 @@ class Syncer:
             view, now = ctx.view(), ctx.clock.monotonic()
             me = rules.SyncState(r, ctx.state.digest, wait.deadline, alone_since=alone_since,
                                  confirm_for=sc.peer_ttl + sc.heartbeat_period, overlap=ctx.cfg.outer.overlap,
-                                 cooling=self.liveness.cooling(now), round_deadline=wait.started + sc.round_timeout)
+                                 cooling=self.liveness.cooling(now), round_deadline=wait.started + sc.round_timeout,
+                                 solo_problem=self.chain.extension_problem([ctx.swarm.peer_id or ""]))
             action = rules.decide_sync(me, view, now)
             if not isinstance(action, Wait):  # a Wait waits for round-mates still training: none is left out
                 self._watch_stragglers(wait, consensus.training(view, r), r, now)
@@ -70,6 +72,8 @@ class Syncer:
                     ctx.status(f"round {r + 1}: {action.reason}")
                 ctx.sleep(sc.heartbeat_period)
                 continue
+            if isinstance(action, GiveUp):
+                raise SwarmError(f"round {r + 1}: {action.reason}")
             if isinstance(action, Solo):
                 return self._solo(r, buffer, tokens, action)
             attempt += 1
@@ -147,6 +151,7 @@ class Syncer:
         self._done(r, result, action.all_in)
         problem = commit.group_problem(r, ctx.state.digest, ctx.swarm.peer_id or "", action.members,
                                        action.group_size, result.gathered)
+        problem = problem or self.chain.extension_problem(list(result.gathered))
         if problem:  # we do not sign: no certificate of this group can exist, and nobody applies its step
             log.error("round %d: refusing the group: %s", r + 1, problem)
             ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=f"refused the group: {problem}", attempt=attempt)

@@ -62,6 +62,12 @@ class ConfirmAlone(Action):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GiveUp(Action):
+    """The certified chain cannot go on from here (too few of our group are left to certify a round, and they did
+    not come back within ``swarm.round_timeout``): stop with an error rather than fork."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Solo(Action):
     """We are the whole swarm: apply our own pseudo-gradient."""
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping
 
 from . import consensus
-from .actions import (AllReduce, CatchUp, ConfirmAlone, Download, Leave, Repair, Solo, Start, Stay, TrainAhead,
+from .actions import (AllReduce, CatchUp, GiveUp, ConfirmAlone, Download, Leave, Repair, Solo, Start, Stay, TrainAhead,
                       Wait)
 from .records import Phase, View
 
@@ -102,10 +102,11 @@ class SyncState:
     overlap: bool = False
     cooling: frozenset[str] = field(default_factory=frozenset)
     round_deadline: float = math.inf
+    solo_problem: str | None = None  # why a round we certify alone would not follow our chain (trust.extension_problem)
 
 
 def decide_sync(s: SyncState, view: View, now: float
-                ) -> CatchUp | Repair | Wait | ConfirmAlone | Solo | AllReduce:
+                ) -> CatchUp | Repair | Wait | ConfirmAlone | Solo | AllReduce | GiveUp:
     """Our pseudo-gradient for the round after theta(``s.round``) is ready: what now? Checked in this order:
 
     * the swarm is past our round, or will not follow us ahead → :class:`CatchUp` (our work is dropped); peers
@@ -143,6 +144,13 @@ def decide_sync(s: SyncState, view: View, now: float
     if not mates and late and now < s.round_deadline:
         return Wait(seconds=TRAINING_POLL, reason=f"no round-mate ready; {len(late)} still training past the straggler "
                                                   f"deadline, and a solo step beside them would shut them out")
+    if not mates and s.solo_problem:
+        # stepping alone would leave our certified chain: round-mates cooling down get another chance first
+        mates = sorted(pid for pid, p in view.items() if p.round == r and p.phase in ready and pid in s.cooling)
+        if not mates and now >= s.round_deadline:
+            return GiveUp(reason=f"no round-mate came back within swarm.round_timeout, and alone: {s.solo_problem}")
+        if not mates:
+            return Wait(seconds=TRAINING_POLL, reason=f"no round-mate, and we cannot step alone: {s.solo_problem}")
     if not mates:
         return _alone(s, now)
     give_up_at = s.straggler_deadline if late and ready != (Phase.SYNC,) else None

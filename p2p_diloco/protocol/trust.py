@@ -71,6 +71,23 @@ def trust_problem(cert: Certificate, head: Certificate | None, roots: frozenset[
     return f"signed by {kept} of the {len(head.statement.members)} members of our last certified group (half needed)"
 
 
+def extension_problem(members, head: Certificate | None, roots: frozenset[str] | None) -> str | None:
+    """Why a round certified by ``members`` would not be one we follow (None if it would): the hand-off rule from
+    our own certificate ``head``, or (no certificate yet) our trust root. A peer never signs a round that it would
+    refuse from any other peer, or a minority cut off from its group (a partition, a freeze across the others'
+    commit, the others gone at the end of the run) would commit a state of its own for a round the others
+    certified differently (found by benchmarks/protocol_sim.py: tests/sim/test_found_by_simulation.py)."""
+    if head is not None:
+        if keeps_enough(head.statement.members, members):
+            return None
+        kept = len(set(head.statement.members) & set(members))
+        return (f"only {kept} of the {len(head.statement.members)} members of round {head.round + 1}'s certified "
+                f"group would sign (half are needed)")
+    if roots is None or roots & set(members):
+        return None
+    return "none of our initial peers would sign (our trust root)"
+
+
 def verified_view(view: View, round_: int, digest: str, history: History, certificates: Mapping[str, Certificate],
                   trust) -> tuple[dict, dict[str, str]]:
     """``(view, dropped)``: the records whose claims we may act on, and why each other one was dropped.

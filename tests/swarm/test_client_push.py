@@ -2,8 +2,9 @@
 processes: the reachable peer is stopped after round 2, loses its newer checkpoints, resumes from round 1 and can
 take the swarm's state only from the client, which cannot be dialed: the client pushes it (swarm/state_push.py).
 The client is behind a firewall that drops every inbound connection (network namespaces, tests/swarm/netns.py):
-the push goes out through it. (On 127.0.0.1 the same scenario took 31-43 s and passed; one real test is kept.) The pure rules are tested in tests/unit/test_push.py and test_state_push.py,
-the wedge it fixes in tests/sim/test_client_push.py."""
+the push goes out through it. (On 127.0.0.1 the same scenario took 31-43 s and passed; one real test is kept.)
+The pure rules are tested in tests/unit/test_push.py and test_state_push.py, the wedge it fixes in
+tests/sim/test_client_push.py."""
 
 import signal
 

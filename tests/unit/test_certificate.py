@@ -134,3 +134,16 @@ def test_real_rsa_identities_sign_and_verify():
     finally:
         a.close()
         b.close()
+
+
+def test_a_peer_never_certifies_a_round_its_chain_would_not_follow():
+    from p2p_diloco.protocol.trust import extension_problem
+
+    keys = FakeKeys()
+    head = certify(statement(members=("a", "b", "c")), keys)
+    assert extension_problem(("a", "b"), head, None) is None
+    assert "only 1 of the 3" in extension_problem(("a",), head, None)  # a minority cut off from its group
+    assert "only 1 of the 3" in extension_problem(("a", "x", "y"), head, None)
+    assert extension_problem(("x",), None, None) is None  # the first peer of a swarm
+    assert extension_problem(("x", "r"), None, frozenset({"r"})) is None  # a newcomer with its initial peer
+    assert "initial peers" in extension_problem(("x",), None, frozenset({"r"}))  # a newcomer alone: its own chain

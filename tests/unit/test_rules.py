@@ -8,8 +8,8 @@ import random
 import pytest
 
 from p2p_diloco.protocol import rules
-from p2p_diloco.protocol.actions import (AllReduce, CatchUp, ConfirmAlone, Download, Leave, Repair, Solo, Start,
-                                         Stay, TrainAhead, Wait)
+from p2p_diloco.protocol.actions import (AllReduce, CatchUp, ConfirmAlone, Download, GiveUp, Leave, Repair, Solo,
+                                         Start, Stay, TrainAhead, Wait)
 from p2p_diloco.protocol.records import Phase, PeerRecord
 
 pytestmark = pytest.mark.unit
@@ -223,3 +223,18 @@ def test_group_mismatch():
     assert rules.group_mismatch(3, "x", {"a": {"round": 3, "digest": "x"}}) is None
     assert rules.group_mismatch(3, "x", {"a": {"round": 3, "digest": "y"}}) == {"a": "y"}
     assert rules.group_mismatch(3, "x", {"a": {"round": 2, "digest": "x"}}) == {}
+
+
+def test_no_solo_step_that_would_leave_our_certified_chain():
+    """Found by benchmarks/protocol_sim.py: a peer cut off from the rest of its group (a partition, a freeze across
+    the others' commit) stepped alone, certifying another state for a round the others certified. A peer now never
+    certifies a round its own chain would not follow: it waits, tries cooling round-mates again, and gives up with
+    an error after swarm.round_timeout rather than fork."""
+    problem = "only 1 of the 3 members of round 5's certified group would sign (half are needed)"
+    alone = sync_state(alone_since=0.0, confirm_for=7.0, solo_problem=problem, round_deadline=600.0)
+    assert isinstance(rules.decide_sync(alone, {}, 100.0), Wait)
+    assert isinstance(rules.decide_sync(alone, {}, 600.0), GiveUp)
+    cooling = sync_state(solo_problem=problem, cooling=frozenset({"b"}), round_deadline=600.0)
+    action = rules.decide_sync(cooling, {"b": rec(3, S)}, 100.0)
+    assert isinstance(action, AllReduce) and action.members == ("b",)
+    assert isinstance(rules.decide_sync(sync_state(alone_since=0.0, confirm_for=7.0), {}, 100.0), Solo)
