@@ -19,8 +19,9 @@ The invariants (the names are the ``invariant`` of a :class:`Violation`):
     swarm's, is a violation whatever the faults.
 ``chain``
     An honest ``state_loaded`` of round k carries a digest that a peer committed for round k (``outer_step``; the
-    genesis digest for k = 0) and the certificate of that commit (none for k = 0): no honest peer loads a state
-    outside the certified chain.
+    genesis digest for k = 0) and the certificate of that commit (none for k = 0), and that commit is not a fork
+    certified by fewer than half of the group it builds on: no honest peer loads a state outside the certified
+    chain.
 ``solo``
     An honest peer p steps alone (``allreduce_done lone=True``) in round k at time t while another honest peer q is a
     *live round-mate*: for the whole confirmation window [t - (peer_ttl + heartbeat_period), t]
@@ -48,7 +49,9 @@ The invariants (the names are the ``invariant`` of a :class:`Violation`):
     No honest peer's state (``round_start``, ``outer_step``, ``state_loaded`` digests) equals a poisoned digest: a
     state a lying donor served, or a Sybil claim's.
 ``crash``
-    An honest peer's run raised (the runner adds these), or the simulation got stuck.
+    An honest peer's run raised anything but a :class:`~p2p_diloco.errors.SwarmError` (the runner adds these; a
+    ``SwarmError`` is the driver's own one-line stop, e.g. giving up on a round it cannot certify: liveness judges
+    it), or the simulation got stuck, or the checker itself failed.
 """
 
 from __future__ import annotations
@@ -299,6 +302,9 @@ class Checker:
         if certificate is None or certificate not in certified:
             self._flag("chain", now, peer, f"loaded round {k} from {event.get('from_peer')} with certificate "
                                            f"{(certificate or 'none')[:12]}, not one a peer committed")
+        elif not commit.keeps:
+            self._flag("chain", now, peer, f"loaded round {k} from {event.get('from_peer')}: a fork certified by "
+                                           f"fewer than half of the group it builds on")
 
     def _attempt(self, peer: str, r: int, digest: str | None, now: float) -> None:
         cooling = set(self.cooling(peer, now))

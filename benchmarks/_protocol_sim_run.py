@@ -44,6 +44,7 @@ from p2p_diloco.metrics.events import Event
 from p2p_diloco.outer import optimizer as opt
 from p2p_diloco.protocol.certificate import Certificate, Statement, sign
 from p2p_diloco.config import load_config
+from p2p_diloco.errors import SwarmError
 from p2p_diloco.testing.harness import SETTINGS, SimPeer, SimSwarm
 
 from ._protocol_sim_check import Checker, Violation
@@ -79,6 +80,8 @@ class Outcome:
     premise: str = ""  # why the liveness premise broke ("": it held, liveness was judged)
     excused: list[str] = field(default_factory=list)  # peers not finished, out of reach when the others finished
     fired: int = 0  # faults that fired
+    kinds: dict[str, int] = field(default_factory=dict)  # faults that fired, by kind
+    features: tuple[str, ...] = ()  # late joiners, client-mode peers, a lying donor, Sybils
     end: float = 0.0  # virtual seconds at the end
     bound: float = 0.0
     wall: float = 0.0
@@ -120,6 +123,7 @@ class Run:
         self.readers: dict[str, int] = {}  # peers whose reads are hidden or stale now (how many faults)
         self.premise = ""  # why the liveness premise broke ("" if it held)
         self.sc = None  # the swarm settings (every peer's)
+        self.beyond = 0.0  # virtual seconds to run past the bound (a replay's --beyond: no early stop either)
 
     # --------------------------------------------------------------------------------------------------- build
     def _sets(self, name: str) -> list[str]:
@@ -346,6 +350,8 @@ class Run:
                 waiting.append(name)
         if not waiting:
             return True
+        if self.beyond:
+            return False  # a replay told to go on: watch them to the end
         checker, now = self.checker, self.swarm.sim.now
         others = [p for p in self.peers if p in self.honest and p not in waiting]  # ended, killed or stopped
         quiet = max([checker.left_at.get(p, 0.0) for p in others]
@@ -374,6 +380,7 @@ class Run:
     def run(self, beyond: float = 0.0) -> Outcome:
         """Run the schedule to its end, or to the liveness bound (+ ``beyond`` seconds, for a replay)."""
         s = self.s
+        self.beyond = beyond
         out = Outcome(s.seed, s.n, s.rounds, s.profile)
         started = time.perf_counter()
         sets = [f"run.max_rounds={s.rounds}", f"train.inner_steps={s.inner_steps}", f"swarm.min_peers={s.min_peers}"]
@@ -413,8 +420,8 @@ class Run:
                 sp = self.peers.get(name)
                 if sp is None or name in self.checker.killed:
                     continue
-                if sp.task is not None and sp.task.done() and sp.task.error is not None:
-                    err = sp.task.error
+                err = sp.task.error if sp.task is not None and sp.task.done() else None
+                if err is not None and not isinstance(err, SwarmError):
                     self.checker.crash(name, out.end, f"{type(err).__name__}: {err}")
                     continue
                 if name not in self.left:
@@ -424,6 +431,8 @@ class Run:
                 sp = self.peers[name]
                 if sp.task is None or not sp.task.done():
                     late.append(f"{name} in round {sp.state.round + 1} ({sp.recorder.last_status[:80]})")
+                elif sp.task.error is not None:  # a SwarmError: the peer gave up, with a one-line reason
+                    late.append(f"{name} gave up in round {sp.state.round + 1}: {str(sp.task.error)[:120]}")
                 elif sp.task.value is not None and sp.task.value["rounds_completed"] < s.rounds:
                     late.append(f"{name} stopped at round {sp.task.value['rounds_completed']}")
                 else:
@@ -440,6 +449,11 @@ class Run:
             self.checker.finish(out.end, alive)
         out.violations = list(self.checker.violations)
         out.fired = len(self.fired)
+        for f in self.fired:
+            out.kinds[f.kind] = out.kinds.get(f.kind, 0) + 1
+        out.features = tuple(name for name, present in (
+            ("late joiners", any(p.join for p in s.peers)), ("client-mode peers", any(p.client for p in s.peers)),
+            ("a lying donor", any(p.liar for p in s.peers)), ("Sybils", bool(s.sybils))) if present)
         out.wall = time.perf_counter() - started
         out.trace = self.sha.hexdigest()[:16]
         return out

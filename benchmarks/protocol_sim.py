@@ -1,7 +1,7 @@
 """The round protocol under thousands of random fault schedules, by deterministic simulation (issue 17).
 
     python -m benchmarks.protocol_sim --quick        # 1,000 schedules of 3..64 peers, a few minutes on 2 cores
-    python -m benchmarks.protocol_sim                # 5,000 schedules, more and larger swarms
+    python -m benchmarks.protocol_sim                # 3,000 schedules, more and larger swarms (~40 min, 2 cores)
     python -m benchmarks.protocol_sim --replay SEED  # one schedule again, with its events (--events)
 
 Method: each schedule (:mod:`._protocol_sim_schedule`; one seed, one schedule, replayable) is a swarm of N = 3..64 real
@@ -39,7 +39,7 @@ from ._protocol_sim_run import Outcome, Run, run
 from ._protocol_sim_schedule import FULL_BASE, draw
 
 QUICK = 1000  # schedules of --quick
-FULL = 5000
+FULL = 3000  # about 40 minutes on 2 cores, 5 on 16
 SHOW = 20  # seeds listed per kind
 SIZES = ((3, 8), (9, 16), (17, 64))
 
@@ -98,8 +98,13 @@ def report(outcomes: list[Outcome], wall: float, label: str) -> str:
     for name in INVARIANTS:
         lines.append(f"{name:<12} {by_invariant.get(name, 0):>10} {len(schedules_by.get(name, ())):>10}")
     fired = sum(o.fired for o in outcomes)
-    lines.append(f"faults fired: {fired}; virtual time: {sum(o.end for o in outcomes):.0f} s; "
-                 f"wall: {wall:.1f} s")
+    kinds = Counter()
+    for o in outcomes:
+        kinds.update(o.kinds)
+    features = Counter(f for o in outcomes for f in o.features)
+    lines.append(f"faults fired: {fired} (" + ", ".join(f"{k} {n}" for k, n in kinds.most_common()) + ")")
+    lines.append("schedules with " + ", ".join(f"{k}: {n}" for k, n in features.most_common()))
+    lines.append(f"virtual time: {sum(o.end for o in outcomes):.0f} s; wall: {wall:.1f} s")
     bad = [o for o in outcomes if o.violations]
     if bad:
         lines.append(f"violating schedules (first {SHOW} of {len(bad)}):")
@@ -107,12 +112,16 @@ def report(outcomes: list[Outcome], wall: float, label: str) -> str:
             kinds = ",".join(sorted({v.invariant for v in o.violations}))
             lines.append(f"  seed {o.seed} (N={o.n}, {kinds}): {o.violations[0].line()[:160]}")
             lines.append(f"    replay: python -m benchmarks.protocol_sim --replay {o.seed}")
+        if len(bad) > SHOW:
+            lines.append("  every violating seed: " + " ".join(str(o.seed) for o in bad))
     stalled = [o for o in outcomes if o.stalled]
     if stalled:
         lines.append(f"stalled schedules (first {SHOW} of {len(stalled)}):")
         for o in stalled[:SHOW]:
             lines.append(f"  seed {o.seed} (N={o.n}): {o.stalled[:160]}")
             lines.append(f"    replay: python -m benchmarks.protocol_sim --replay {o.seed}")
+        if len(stalled) > SHOW:
+            lines.append("  every stalled seed: " + " ".join(str(o.seed) for o in stalled))
     lines.append(f"schedules={len(outcomes)} violations={len(bad)} stalled={len(stalled)}")
     return "\n".join(lines)
 
@@ -162,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", type=int, default=None, metavar="SEED", help="run one schedule again and show it")
     ap.add_argument("--events", action="store_true", help="with --replay: print every event")
     ap.add_argument("--beyond", type=float, default=0.0,
-                    help="with --replay: keep running this many virtual seconds past the liveness bound")
+                    help="with --replay: run up to this many virtual seconds past the liveness bound, and watch "
+                         "peers out of reach at the end until they finish or give up")
     args = ap.parse_args(argv)
     if args.replay is not None:
         outcome = replay(args.replay, args.f, args.events, args.beyond)

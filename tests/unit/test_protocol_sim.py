@@ -12,7 +12,7 @@ import pytest
 from benchmarks._protocol_sim_check import INVARIANTS, Checker, Violation
 from benchmarks._protocol_sim_run import Outcome, Run, run
 from benchmarks._protocol_sim_schedule import FULL_BASE, PeerSpec, Schedule, draw, profile_of
-from benchmarks.protocol_sim import report
+from benchmarks.protocol_sim import main, report
 from p2p_diloco.protocol import rules
 from p2p_diloco.protocol.actions import Solo
 
@@ -83,6 +83,15 @@ def test_the_checker_catches_a_broken_rule_in_a_real_run(monkeypatch):
     assert not Run(schedule).run().violations  # the same schedule with the real rule
 
 
+def test_the_command_line_runs_schedules_and_replays_one(capsys):
+    seed = next(s for s in range(1, 60) if draw(s).n <= 4)
+    assert main(["--quick", "--schedules", "2", "--first", str(seed), "--workers", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("schedules=2 violations=")
+    main(["--replay", str(seed)])
+    out = capsys.readouterr().out
+    assert out.startswith(f"seed={seed} profile=quick") and "\ntrace " in out
+
+
 def test_the_report_ends_with_the_counts():
     outcomes = [Outcome(1, 3, 2, "quick"), Outcome(2, 4, 2, "quick", stalled="p1 in round 2"),
                 Outcome(3, 5, 2, "quick", violations=[Violation("solo", 1.0, "p0", "x")])]
@@ -131,6 +140,13 @@ def test_chain_flags_a_state_nobody_committed_or_without_its_certificate():
     checker.event("p3", loaded, 3.0, certificate="forged")
     checker.event("p3", dict(loaded, digest=D2), 3.0, certificate="c1")
     assert _kinds(checker) == ["chain", "chain"]
+    fork = _checker()
+    _step(fork, "p0", 1, D1, "c1", ["p0", "p1", "p2"], 1.0)
+    fork.freeze("p2", 1.5)
+    _step(fork, "p0", 2, D2, "c2", ["p0", "p1"], 5.0, prev="c1")
+    _step(fork, "p2", 2, D3, "c3", ["p2"], 9.0, prev="c1")  # a minority's fork (itself an agreement violation)
+    fork.event("p3", {"event": "state_loaded", "round": 2, "from_peer": "p2", "digest": D3}, 10.0, certificate="c3")
+    assert _kinds(fork) == ["agreement", "chain"]
 
 
 def _record(round_: int, phase: str, digest: str = D1) -> dict:
