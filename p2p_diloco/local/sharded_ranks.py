@@ -106,21 +106,26 @@ class ShardedRank:
         problem = shard_groups_problem(members, self.layout.num_shards)
         if problem:  # the shards were averaged with different peers: no round (the buffer is still ours)
             raise RoundFailed(f"the shards' groups differ: {problem}")
-        self.swarm.read_result(self.buffer)
         result.bytes_sent, result.bytes_received = sum(m[0] for m in moved), sum(m[1] for m in moved)
         result.excluded = {pid: reason for m in moved for pid, reason in m[2].items()}
         return result
 
     def step(self, mode: str, round_: int = 0) -> str | None:
-        """*Collective.* ``mode`` "prepare": the outer step on copies of every shard, returning the global digest
-        it would give; "commit": take it as theta(``round_``), returning the new global digest; "discard"."""
+        """*Collective.* ``mode`` "prepare": the outer step on copies of every shard with our buffer as the average
+        (a solo step), returning the global digest it would give; "prepare_averaged": the same with the last
+        all-reduce's average; "commit": take it as theta(``round_``), returning the new global digest; "discard"."""
         self._tell(SSTEP, [mode, round_])
         return self._step(mode, round_)
 
     def _step(self, mode: str, round_: int) -> str | None:
-        if mode == "prepare":
+        if mode in ("prepare", "prepare_averaged"):
+            if mode == "prepare":
+                mine = self.outer.prepare(self.buffer)
+            else:
+                with self.swarm.averaged() as average:  # the buffer stays our pseudo-gradient, for a retry
+                    mine = self.outer.prepare(average)
             digests = list(self.outer.digests)
-            for part in self.ranks.all_gather(self.outer.prepare(self.buffer)):
+            for part in self.ranks.all_gather(mine):
                 for j, d in part.items():
                     digests[j] = d
             return global_digest(digests)

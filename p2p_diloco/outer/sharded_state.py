@@ -95,7 +95,10 @@ class ShardedState(GlobalState):
                               on_running=request.on_running)
 
     def prepare(self, average: Tensors) -> str:
-        return self.rank.step("prepare")  # ``average`` is the ranks' own buffer
+        return self.rank.step("prepare")  # a solo step: ``average`` is the ranks' own buffer
+
+    def prepare_averaged(self, swarm: Any) -> str:
+        return self.rank.step("prepare_averaged")  # every rank from its own swarm's averages
 
     def commit(self, certificate: Certificate) -> None:
         digest = self.rank.step("commit", self.round + 1)

@@ -15,6 +15,7 @@ state, theta *and* the momentum: it is what certificates sign and what every dow
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence
@@ -87,7 +88,14 @@ class GlobalState(ABC):
 
     @abstractmethod
     def average(self, swarm: Any, request: Any) -> Any:
-        """All-reduce ``request.tensors`` (a buffer) in place; an :class:`AllReduceResult`, or RoundFailed."""
+        """All-reduce ``request.tensors`` (a buffer of our pseudo-gradient); an :class:`AllReduceResult`, or
+        RoundFailed. The buffer is left as it was, so that a retry of the round (after a commit that did not
+        complete) sends our own pseudo-gradient again; the average is held in ``swarm`` for
+        :meth:`prepare_averaged`."""
+
+    @abstractmethod
+    def prepare_averaged(self, swarm: Any) -> str:
+        """:meth:`prepare` with the average of the last successful :meth:`average`."""
 
     @abstractmethod
     def prepare(self, average: Tensors) -> str:
@@ -172,7 +180,11 @@ class WholeState(GlobalState):
         replica.pseudo_gradient(self.theta if start is None else start, out)
 
     def average(self, swarm: Any, request: Any) -> Any:
-        return swarm.all_reduce(request)
+        return swarm.all_reduce(dataclasses.replace(request, commit=False))
+
+    def prepare_averaged(self, swarm: Any) -> str:
+        with swarm.averaged() as average:  # read in place: no copy of the average
+            return self.prepare(average)
 
     def prepare(self, average: Tensors) -> str:
         with self.lock:

@@ -37,10 +37,10 @@ class Syncer:
         self.liveness = Liveness(cool_down=ctx.cfg.swarm.round_timeout)
 
     def sync(self, r: int, buffer: list, tokens: int) -> Certificate | None:
-        """Average ``buffer`` (our pseudo-gradient from theta(``r``)) in place with the round's group and certify
-        the outer step, prepared in the state (:meth:`GlobalState.prepare`). The round's complete certificate if
-        the step may be committed; None if we fell behind, repaired or were stopped instead (theta is then
-        whatever the state sync left; nothing half-applied)."""
+        """Average ``buffer`` (our pseudo-gradient from theta(``r``), left as it is for a retry) with the round's
+        group and certify the outer step, prepared in the state (:meth:`GlobalState.prepare`). The round's complete
+        certificate if the step may be committed; None if we fell behind, repaired or were stopped instead (theta is
+        then whatever the state sync left; nothing half-applied)."""
         ctx = self.ctx
         sc = ctx.cfg.swarm
         wait = StragglerWait(self.deadlines, ctx.clock.monotonic())  # then round-mates still training are left out
@@ -97,11 +97,11 @@ class Syncer:
         self.last_group_size = 1
         mine = {ctx.swarm.peer_id: {"round": r, "digest": ctx.state.digest, "tokens": tokens,
                                     "head": ctx.state.chain_head}}
-        return self._certify(r, buffer, mine, ctx.clock.monotonic())
+        return self._certify(r, ctx.state.prepare(buffer), mine, ctx.clock.monotonic())
 
-    def _certify(self, r: int, buffer: list, gathered: dict, got_result_at: float) -> Certificate | None:
-        """Prepare the outer step with the average in ``buffer`` and certify it; on failure nothing is applied."""
-        statement = self.certifier.statement(r, self.ctx.state.prepare(buffer), gathered)
+    def _certify(self, r: int, after: str, gathered: dict, got_result_at: float) -> Certificate | None:
+        """Certify the outer step prepared in the state (its digest ``after``); on failure nothing is applied."""
+        statement = self.certifier.statement(r, after, gathered)
         certificate = self.certifier.certify(r, statement, got_result_at)
         if certificate is None:
             self.ctx.state.discard()
@@ -156,7 +156,7 @@ class Syncer:
             log.error("round %d: refusing the group: %s", r + 1, problem)
             ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=f"refused the group: {problem}", attempt=attempt)
             return None
-        return self._certify(r, buffer, result.gathered, got_result_at)
+        return self._certify(r, ctx.state.prepare_averaged(ctx.swarm), result.gathered, got_result_at)
 
     def _done(self, r: int, result: AllReduceResult, all_in: bool) -> None:
         """Account for a successful all-reduce: deadlines, bytes, the group's digests, left-out contributions."""

@@ -4,17 +4,19 @@ In ``outer.sharding = "rank0"`` mode a peer has one averager for the whole pseud
 each local rank has one averager per logical shard it keeps (``p2p_diloco/outer/shards.py``), under the key
 ``<run>_<fingerprint>_s<j>``, so shard j meets shard j of every other peer whatever their rank layouts. A round's
 all-reduce runs the steps of all of this process's averagers at once and succeeds only if every one of them
-does; the result stays in the averagers' buffers until :meth:`Averagers.read_into`, so that the ranks of a peer
-can first agree that all of them succeeded (all or nothing across shards).
+does; the result stays in the averagers' buffers (:meth:`Averagers.averaged`), so that the ranks of a peer can
+first agree that all of them succeeded (all or nothing across shards), and the input tensors stay the peer's own
+pseudo-gradient for a retry.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from hivemind.averaging.control import AveragingStage
@@ -145,7 +147,7 @@ class Averagers:
         averager gathers all of ``gather``, the others ``round`` and ``peer`` only).
 
         Raises :class:`RoundFailed` if any step fails (the others are cancelled and waited for). On success the
-        averages are in the averagers' buffers (:meth:`read_into`); the input tensors are never touched here.
+        averages are in the averagers' buffers (:meth:`averaged`); the input tensors are never touched here.
         """
         controls = []
         t0 = time.monotonic()
@@ -199,13 +201,14 @@ class Averagers:
                 if not all(bool(torch.isfinite(b).all()) for b in buffers):
                     raise RoundFailed("the all-reduce returned non-finite values")
 
-    def read_into(self, groups: Sequence[Sequence[torch.Tensor]]) -> None:
-        """Copy the last successful all-reduce's averages into ``groups``."""
-        for averager, tensors, history in zip(self.list, groups, self.rms_history, strict=True):
-            with averager.get_tensors() as buffers:
-                for buf, t in zip(buffers, tensors, strict=True):
-                    t.copy_(buf)
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[list[list[torch.Tensor]]]:
+        """The last successful all-reduce's averages, per averager, in place (under the averagers' locks)."""
+        with contextlib.ExitStack() as stack:
+            groups = [stack.enter_context(averager.get_tensors()) for averager in self.list]
+            for buffers, history in zip(groups, self.rms_history, strict=True):
                 history.append(_rms(buffers))
+            yield groups
 
     def download(self, index: int, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]]:
         """(metadata, tensors) from averager ``index``'s counterpart on ``peer_id``; RoundFailed on any failure."""

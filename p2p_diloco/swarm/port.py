@@ -8,7 +8,7 @@ driver (:mod:`p2p_diloco.peer`) only ever sees this interface, so every protocol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 
@@ -67,7 +67,8 @@ class AllReduceRequest:
         on_running: called once, when the group is assembled and the tensors start to flow.
         matchmaking_time, allreduce_timeout: this attempt's deadlines (None: the ``[swarm]`` constants).
         matchmaking_timeout: stop looking for a group after this many seconds (the straggler deadline).
-        commit: False leaves the result in the swarm's buffers until :meth:`SwarmPort.read_result`.
+        commit: False leaves ``tensors`` untouched and the result in the swarm's buffers (:meth:`SwarmPort.averaged`):
+            a retry of the round then sends the same pseudo-gradient again.
     """
 
     round: int
@@ -139,8 +140,9 @@ class SwarmPort(Protocol):
     def all_reduce(self, request: AllReduceRequest) -> AllReduceResult:
         """One all-or-nothing all-reduce attempt (:class:`AllReduceRequest`)."""
 
-    def read_result(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the last successful all-reduce made with ``commit=False`` into ``tensors``."""
+    def averaged(self) -> ContextManager[list[torch.Tensor]]:
+        """The last successful all-reduce made with ``commit=False``, read in place (no copy): tensors in the layout
+        of its request's, valid inside the ``with`` and until the next all-reduce; never write to them."""
 
     def set_donor_round(self, round_: int) -> None:
         """Peers downloading state prefer donors in higher rounds."""

@@ -23,12 +23,13 @@ No coordinator: every decision is taken locally from the DHT records, the same w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import hivemind
 import torch
@@ -341,12 +342,17 @@ class Swarm:
                                            request.gather, request.should_stop, request.on_running,
                                            matchmaking_time, allreduce_timeout, look, shards=self.shards)
         if request.commit:
-            self.averagers.read_into(groups)
+            with self.averagers.averaged() as averages:
+                for mine, average in zip(groups, averages, strict=True):
+                    for t, avg in zip(mine, average, strict=True):
+                        t.copy_(avg)
         return result
 
-    def read_result(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Copy the last successful :meth:`all_reduce` (made with ``commit=False``) into ``tensors``."""
-        self.averagers.read_into(self._split(tensors))
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[list[torch.Tensor]]:
+        """The last successful :meth:`all_reduce` (made with ``commit=False``), in place (SwarmPort.averaged)."""
+        with self.averagers.averaged() as averages:
+            yield [t for group in averages for t in group]
 
     def _split(self, tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
         return [[t] for t in tensors] if self.shards is not None else [list(tensors)]

@@ -43,6 +43,7 @@ class Group:
     excluded: dict[str, str] = field(default_factory=dict)
     begin_time: float = 0.0
     late: set[str] = field(default_factory=set)  # members that fail although the others got the average
+    sent: dict[str, torch.Tensor] = field(default_factory=dict)  # what each member's buffer held (flat), for tests
 
     @property
     def members(self) -> list[str]:
@@ -87,8 +88,10 @@ class Group:
         flats = []
         for c in calls:
             flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in c.request.tensors])
+            self.sent[c.swarm.peer_id] = flat
             mode = c.swarm.cfg.debug.corrupt_pseudo_gradient
             if mode:  # the security tests' malicious peer, as the real swarm does it
+                flat = flat.clone()
                 corrupt_([flat], mode, torch.Generator().manual_seed(c.swarm.cfg.run.seed + 1))
             flats.append(flat)
         cfg = calls[0].swarm.cfg

@@ -32,7 +32,8 @@ group names the same members, as every member's "peer" gathered), unless :meth:`
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -204,6 +205,7 @@ class FakeSwarm:
         self.kept: dict[str, tuple[bytes, float]] = {}  # keep_blob: name -> (value, time of its put)
         self.stopped = net.clock.event()
         self.last: Group | None = None
+        self.last_layout: list[torch.Tensor] = []  # the request tensors of the last all-reduce (their shapes)
         self.keys = net.keys
         self.signer = net.keys.signer(peer_id)
 
@@ -307,9 +309,10 @@ class FakeSwarm:
             raise RoundFailed("TimeoutError: our answers came after the all-reduce timeout")
         if not running:
             request.on_running()
-        self.last = group
+        self.last, self.last_layout = group, list(request.tensors)
         if request.commit:
-            self.read_result(request.tensors)
+            for t, avg in zip(request.tensors, group.result_like(request.tensors), strict=True):
+                t.copy_(avg)
         return self._result(call, group)
 
     def _await(self, call: Call, deadline: float) -> Group:
@@ -346,9 +349,9 @@ class FakeSwarm:
             self.net.mixed[self.name] = (shard, stranger, left - 1)
         return members
 
-    def read_result(self, tensors: Sequence[torch.Tensor]) -> None:
-        for t, avg in zip(tensors, self.last.result_like(tensors), strict=True):
-            t.copy_(avg)
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[list[torch.Tensor]]:
+        yield self.last.result_like(self.last_layout)
 
     def set_donor_round(self, round_: int) -> None:
         pass

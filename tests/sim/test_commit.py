@@ -4,6 +4,7 @@ a group, and every committed round carries a certificate signed by every member 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.protocol.certificate import Certificate
@@ -71,3 +72,22 @@ def test_every_committed_round_is_certified_by_all_its_members_and_chained():
         assert cert.statement.after == state.digest == one_digest(peers)
         for p in peers:
             assert [e["signers"] for e in p.of(Event.OUTER_STEP)] == [3] * ROUNDS
+
+
+@pytest.mark.parametrize("sharding", [[], ["outer.sharding=sharded", "outer.shards=3"]], ids=["whole", "sharded"])
+def test_a_retry_after_an_incomplete_commit_averages_each_members_own_pseudo_gradient(sharding):
+    """c fails the all-reduce of round 2 after a and b got the complete average, so that attempt commits nothing
+    and is retried. Every member must send the retry what it sent the first time: its own pseudo-gradient. (Found
+    by the protocol simulator: a and b's buffer held the failed attempt's average by then, and the retry averaged
+    that average with c's own.)"""
+    with SimSwarm([f"run.max_rounds={ROUNDS}", "swarm.min_peers=3", *sharding]) as swarm:
+        a, b, c = swarm.add(), swarm.add(), swarm.add()
+        swarm.run_until(lambda: bool(a.of(Event.OUTER_STEP, round=1)))
+        swarm.net.fail_late(c.name)
+        swarm.finish()
+        completed = [g for g in swarm.net.groups if g.result and g.calls[0].request.round == 1]
+        assert len(completed) >= 2, [g.failure for g in swarm.net.groups]  # the incomplete commit, then the retry
+        for p in (a, b, c):
+            sent = [g.sent[p.name] for g in completed]
+            assert all(torch.equal(sent[0], s) for s in sent[1:]), p.name
+        one_digest([a, b, c])
