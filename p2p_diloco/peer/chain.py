@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Sequence
 
 from ..protocol.certificate import Certificate
 from ..protocol.records import View
-from ..protocol.trust import History, extension_problem, trust_problem, verified_view
+from ..protocol.trust import History, extension_problem, initial_peer_ids, trust_problem, verified_view
 from .context import PeerContext
 
 log = logging.getLogger("p2p_diloco.peer")
 CACHE = 256  # parsed certificates kept, by id
-
-
-def initial_peer_ids(maddrs: Sequence[str]) -> frozenset[str] | None:
-    """The peer ids our ``--initial-peers`` name (``.../p2p/<id>``): our trust root; None if none were given."""
-    ids = frozenset(m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m)
-    return ids or None
 
 
 class Chain:

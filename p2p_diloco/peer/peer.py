@@ -113,8 +113,8 @@ class Peer:
         ctx, sc = self.ctx, self.ctx.cfg.swarm
         deadline = ctx.clock.monotonic() + sc.min_peers_timeout
         while not ctx.stop.is_set():
-            action = rules.decide_first_round(ctx.view(), sc.min_peers, ctx.clock.monotonic(), deadline,
-                                              min(START_POLL, sc.heartbeat_period))
+            action = rules.decide_first_round(ctx.view(), ctx.state.round, sc.min_peers, ctx.clock.monotonic(),
+                                              deadline, min(START_POLL, sc.heartbeat_period))
             if isinstance(action, Start):
                 if ctx.clock.monotonic() >= deadline:
                     log.warning("%s after %.0fs; starting anyway", action.reason, sc.min_peers_timeout)

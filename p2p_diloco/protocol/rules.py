@@ -29,9 +29,16 @@ OVERLAP_POLL = 0.2  # an overlapped peer waiting for its round-mates to finish t
 TRAINING_POLL = 0.5  # no round-mate ready, some still training past the straggler deadline: look again this often
 
 
-def decide_first_round(view: View, min_peers: int, now: float, deadline: float, poll: float) -> Start | Wait:
+def decide_first_round(view: View, round_: int, min_peers: int, now: float, deadline: float, poll: float
+                       ) -> Start | Wait:
     """Hold the first round until ``min_peers`` peers (us included) are live and ready to train, so that they
-    all start it together and all take part in it; after ``deadline``, start anyway."""
+    all start it together and all take part in it; after ``deadline``, start anyway. A swarm already past our
+    ``round_`` (in a view of verified records) has no first round to wait for: we join it at once. (Found by the
+    protocol simulator: a newcomer that waited for ``min_peers`` while the swarm lingered at the end of its run
+    missed every donor, then started a chain of its own from theta(0).)"""
+    at = consensus.swarm_round(view)
+    if at > round_:
+        return Start(phase=Phase.TRAIN, reason=f"the swarm is already in round {at + 1}")
     ready = sum(1 for p in view.values() if p.ready) + 1
     if ready >= min_peers:
         return Start(phase=Phase.TRAIN, reason=f"{ready} of {min_peers} peers ready")

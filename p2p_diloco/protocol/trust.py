@@ -20,7 +20,7 @@ remember does not keep us lingering. Pure functions; the driver reads the record
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from .certificate import Certificate, KeyBook, check_link, keeps_enough
 from .records import View
@@ -43,6 +43,12 @@ class History:
 
     def holds(self, round_: int, digest: str) -> bool:
         return self.digests.get(round_) == digest
+
+
+def initial_peer_ids(maddrs: Sequence[str]) -> frozenset[str] | None:
+    """The peer ids our ``--initial-peers`` name (``.../p2p/<id>``): our trust root; None if none were given."""
+    ids = frozenset(m.rsplit("/p2p/", 1)[1] for m in maddrs if "/p2p/" in m)
+    return ids or None
 
 
 def trust_problem(cert: Certificate, head: Certificate | None, roots: frozenset[str] | None, run_id: str,

@@ -38,8 +38,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..config import Config
-from ..errors import ConfigMismatch, RoundFailed
+from ..errors import ConfigMismatch, RoundFailed, SwarmError
 from ..protocol.records import Phase, PeerRecord, wire_fields
+from ..protocol.trust import initial_peer_ids
 from ..swarm.port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob
 from . import fake_transfer
 from .fake_allreduce import Call, Group, matchmake
@@ -78,6 +79,7 @@ class FakeNetwork:
         self.stale_reads: dict[tuple[str, str], tuple[dict, float]] = {}  # (reader, owner) -> record as of stale()
         self.holds: dict[tuple[str, int], float] = {}
         self.keys = FakeKeys()  # the simulated identities that sign round certificates
+        self.started: set[str] = set()  # peers whose swarm ever started
         self.leaders: dict[str, tuple[int, int]] = {}  # peer id -> (group size it forms, groups left)
         self.late: dict[str, int] = {}
         self.mixed: dict[str, tuple[int, str, int]] = {}  # peer id -> (shard, stranger, groups left)
@@ -90,6 +92,11 @@ class FakeNetwork:
             self.swarms[peer_id] = swarm
             return swarm
         return make
+
+    def responds(self, peer_id: str) -> bool:
+        """The peer's DHT node is up: started, and neither killed nor shut down (a frozen one answers later)."""
+        swarm = self.swarms.get(peer_id)
+        return swarm is not None and swarm.peer_id is not None and not swarm.dead and not swarm.stopped.is_set()
 
     # ------------------------------------------------------------------------------------------------- faults
     def kill(self, peer_id: str) -> None:
@@ -211,6 +218,13 @@ class FakeSwarm:
 
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
+        # As hivemind's DHT bootstrap, which fails only if none of the initial peers answers. Initial peers that
+        # never started are left out: peers added together are one launch, in which each reaches those already up.
+        started = sorted(pid for pid in initial_peer_ids(self.sc.initial_peers) or () if pid in self.net.started
+                         and pid != self.name)
+        if started and not any(self.net.responds(pid) for pid in started):
+            raise SwarmError(f"could not start or join the swarm: none of the initial peers responded "
+                             f"({', '.join(started)})")
         ours = self.cfg.fingerprint_fields()
         for pid, theirs in self.net.configs.items():
             alive = pid in self.net.read(self.name) and self.net.stored[pid][0].get("phase") != Phase.LEFT
@@ -219,6 +233,7 @@ class FakeSwarm:
                 raise ConfigMismatch(f"run {self.cfg.run.run_id!r} already has peer {pid} with a different config "
                                      f"({', '.join(diffs)})")
         self.peer_id = self.name
+        self.net.started.add(self.name)
         self.net.configs[self.name] = ours
         self.publish(phase=Phase.JOIN)
         self.net.sim.spawn(self._heartbeat, f"{self.name}:heartbeat")

@@ -13,10 +13,12 @@ started a chain of its own, while the others committed the same round differentl
 822fce6 a peer signs no group and takes no solo step that its own chain would not follow
 (``trust.extension_problem``), and gives up with a one-line error after ``swarm.round_timeout`` instead.
 
-One class is found and not fixed yet, so it has no test here: a newcomer (no certificate of its own) that finds
-the swarm it was given gone starts a chain of its own (seeds 75, 311, 505, 922, 930). Requiring one of its
-``--initial-peers`` in its first group fixes it but stops every swarm that starts through a bootstrap node (which
-never trains): tests/swarm/test_bootstrap.py. docs/protocol.md, "Known limits".
+A newcomer (no certificate of its own) that waited for ``swarm.min_peers`` while the swarm it joined lingered at
+the end of its run missed every donor, then started a chain of its own from theta(0) (seeds 922, 930): a swarm
+already past our round now has no first round to wait for (``rules.decide_first_round``). In seeds 75, 311 and
+505 the newcomer arrived after every peer it was given had left; the in-memory swarm now refuses to start it, as
+hivemind's DHT bootstrap does when none of the initial peers answers (a newcomer that reaches only a bootstrap
+node, the trainers gone, still starts a chain of its own: docs/protocol.md, "Known limits").
 """
 
 from __future__ import annotations
@@ -99,6 +101,8 @@ FOUND = {
     "frozen-minority": (194, 202, 292, 304, 400, 485, 711, 739, 765, 769, 818, 888, 948),
     "stuck-leader-cooling": (146, 377, 399, 708, 833, 990),
     "survivors-below-half": (528,),
+    "newcomer-waiting-for-min-peers": (922, 930),
+    "newcomer-after-the-run": (75, 311, 505),
 }
 
 

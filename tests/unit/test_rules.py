@@ -163,14 +163,17 @@ def test_donors_come_in_random_order_so_the_load_spreads():
     assert len(orders) > 1 and all(sorted(o) == list("abcdef") for o in orders)
 
 
-@pytest.mark.parametrize("case, view, min_peers, now, kind", [
-    ("alone and asked for one peer", {}, 1, 0.0, Start),
-    ("two of three ready: wait", {"a": rec(0, J, ready=True), "b": rec(0, J)}, 3, 0.0, Wait),
-    ("three of three ready", {"a": rec(0, J, ready=True), "b": rec(0, J, ready=True)}, 3, 0.0, Start),
-    ("the deadline: start with who is there", {}, 3, 120.0, Start),
+@pytest.mark.parametrize("case, round_, view, min_peers, now, kind", [
+    ("alone and asked for one peer", 0, {}, 1, 0.0, Start),
+    ("two of three ready: wait", 0, {"a": rec(0, J, ready=True), "b": rec(0, J)}, 3, 0.0, Wait),
+    ("three of three ready", 0, {"a": rec(0, J, ready=True), "b": rec(0, J, ready=True)}, 3, 0.0, Start),
+    ("the deadline: start with who is there", 0, {}, 3, 120.0, Start),
+    ("the swarm is past our round (lingering at its end): join now", 0, {"a": rec(3, D), "b": rec(3, D)}, 4, 0.0,
+     Start),
+    ("a resumed peer at the swarm's round still waits", 3, {"a": rec(3, T, ready=True)}, 3, 0.0, Wait),
 ])
-def test_decide_first_round(case, view, min_peers, now, kind):
-    assert isinstance(rules.decide_first_round(view, min_peers, now, 120.0, 0.25), kind), case
+def test_decide_first_round(case, round_, view, min_peers, now, kind):
+    assert isinstance(rules.decide_first_round(view, round_, min_peers, now, 120.0, 0.25), kind), case
 
 
 @pytest.mark.parametrize("case, view, now, kind", [
