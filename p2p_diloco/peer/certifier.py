@@ -43,16 +43,19 @@ class Certifier:
             except (TimeoutError, OSError) as e:
                 return self._failed(r, statement, f"could not publish our signature: {e!r}")
         deadline, poll, polls = got_result_at + self.window, FIRST_POLL, 0
+        verified: frozenset[str] = frozenset()  # members whose signature we hold and checked: never replaced
         while True:
             action = commit.decide_commit(statement, signatures, ctx.swarm.keys, ctx.clock.monotonic(), deadline,
-                                          poll)
+                                          poll, verified)
             if isinstance(action, commit.Commit):  # (the boundary publishes it: ``PeerContext.announce``)
                 return action.certificate
             if isinstance(action, commit.Abandon) or ctx.sleep(action.seconds):
                 return self._failed(r, statement, action.reason if isinstance(action, commit.Abandon) else "stopped")
+            verified = frozenset(statement.members) - set(action.missing)
             polls += 1
             poll = FIRST_POLL if polls < FAST_POLLS else min(MAX_POLL, poll * 2)
-            signatures.update(self._read(statement, certificates=polls >= FAST_POLLS))
+            read = self._read(statement, certificates=polls >= FAST_POLLS)
+            signatures.update((pid, sig) for pid, sig in read.items() if pid not in verified)
 
     def _read(self, statement: Statement, certificates: bool) -> dict[str, tuple[bytes, bytes]]:
         """The signatures over ``statement`` in the ``sig`` blobs and, once the fast reads are over (a member is

@@ -142,7 +142,7 @@ class Certificate:
                                   members=tuple(str(m) for m in s["members"]),
                                   weights=tuple(float(w) for w in s["weights"]), before=str(s["before"]),
                                   after=str(s["after"]), prev=str(s["prev"]))
-            sigs = {str(pid): (_unb64(pub), _unb64(sig)) for pid, (pub, sig) in body["signatures"].items()}
+            sigs = {str(pid): decode_signature(pub, sig) for pid, (pub, sig) in body["signatures"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"malformed certificate: {e!r}") from None
         bad = statement.problem()
@@ -195,6 +195,11 @@ def check_link(prev: Certificate | None, cert: Certificate, keys: KeyBook) -> st
 def keeps_enough(previous: Sequence[str], signers: Sequence[str]) -> bool:
     """The hand-off rule's count: at least half of the ``previous`` group is among the ``signers``."""
     return 2 * len(set(previous) & set(signers)) >= len(set(previous))
+
+
+def decode_signature(public_key: Any, signature: Any) -> tuple[bytes, bytes]:
+    """``(public key, signature)`` from their base64 text in a certificate's JSON; ValueError if malformed."""
+    return _unb64(public_key), _unb64(signature)
 
 
 def _b64(data: bytes) -> str:

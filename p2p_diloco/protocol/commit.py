@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
 from .actions import Action
-from .certificate import MAX_MEMBERS, Certificate, KeyBook, Statement
+from .certificate import MAX_MEMBERS, Certificate, KeyBook, Statement, decode_signature
 
 SIGN_WINDOW = 0.5  # of the commit window: a member signs only this soon after it got the result
 
@@ -99,13 +99,17 @@ def may_sign(got_result_at: float, now: float, window: float) -> bool:
 
 
 def decide_commit(statement: Statement, signatures: Mapping[str, tuple[bytes, bytes]], keys: KeyBook,
-                  now: float, deadline: float, poll: float) -> Commit | Abandon | Poll:
-    """Commit once every member's signature checks out; give up at ``deadline`` (the commit window's end)."""
-    cert = Certificate(statement, {pid: sig for pid, sig in signatures.items() if pid in statement.members})
-    signed = cert.signed_by(keys)
+                  now: float, deadline: float, poll: float, verified: Collection[str] = ()) -> Commit | Abandon | Poll:
+    """Commit once every member's signature checks out; give up at ``deadline`` (the commit window's end).
+    ``verified``: members whose signature in ``signatures`` was checked already (by an earlier call: a poll
+    checks only the new ones, or every poll would verify N signatures again)."""
+    members = set(statement.members)
+    known = {pid for pid in verified if pid in members and pid in signatures}
+    fresh = Certificate(statement, {pid: sig for pid, sig in signatures.items() if pid in members - known})
+    signed = known | fresh.signed_by(keys)
     missing = tuple(sorted(set(statement.members) - signed))
     if not missing:
-        return Commit(certificate=Certificate(statement, {pid: cert.signatures[pid] for pid in signed}),
+        return Commit(certificate=Certificate(statement, {pid: signatures[pid] for pid in signed}),
                       reason=f"all {len(signed)} members signed")
     if now >= deadline:
         return Abandon(reason=f"{len(missing)} of {len(statement.members)} members did not sign in time: {missing}")
@@ -125,7 +129,10 @@ def signatures_for(statement: Statement, blobs: Mapping[str, bytes],
     """The signatures over ``statement`` found in the members' ``sig`` blobs and in any complete certificate a
     member published (``cert`` blobs); malformed blobs are ignored (they are a peer's data)."""
     found: dict[str, tuple[bytes, bytes]] = {}
+    after = statement.after.encode()
     for raw in certificates.values():
+        if after not in raw:  # not a certificate of this state: no need to decode it (N blobs of N members each)
+            continue
         try:
             cert = Certificate.from_bytes(raw)
         except ValueError:
@@ -137,9 +144,7 @@ def signatures_for(statement: Statement, blobs: Mapping[str, bytes],
             body = json.loads(raw)
             if body.get("id") != statement.id:
                 continue
-            one = Certificate.from_json({"statement": json.loads(statement.encode()),
-                                         "signatures": {pid: [body["pub"], body["sig"]]}})
-        except (ValueError, AttributeError, TypeError):
+            found[pid] = decode_signature(body["pub"], body["sig"])
+        except (ValueError, AttributeError, TypeError, KeyError):
             continue
-        found[pid] = one.signatures[pid]
     return found

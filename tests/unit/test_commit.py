@@ -74,3 +74,38 @@ def test_signatures_are_found_in_sig_blobs_and_in_published_certificates():
     found = signatures_for(s, blobs, {"c": complete.to_bytes(), "z": b"not a certificate"})
     assert set(found) == {"a", "b", "c"}
     assert isinstance(decide_commit(s, found, keys, 0.0, 1.0, 0.1), Commit)
+
+
+class CountingKeys(FakeKeys):
+    def __init__(self):
+        super().__init__()
+        self.checked: list[str] = []
+
+    def verify(self, peer_id, public_key, data, signature):
+        self.checked.append(peer_id)
+        return super().verify(peer_id, public_key, data, signature)
+
+
+def test_a_poll_checks_only_the_signatures_it_has_not_checked_before():
+    """Every poll of the commit window used to verify every member's signature again (and decode every blob with
+    the whole statement): about 23 ms per poll at 64 members, every 25 ms (benchmarks/commit_poll.py)."""
+    keys = CountingKeys()
+    s = statement_for("run", "fp", 3, "d3", "d4", gathered("a", "b", "c"))
+    sigs = {m: sign(s, keys.signer(m)) for m in ("a", "b")}
+    first = decide_commit(s, sigs, keys, now=1.0, deadline=6.0, poll=0.1)
+    assert isinstance(first, Poll) and sorted(keys.checked) == ["a", "b"]
+    keys.checked.clear()
+    sigs["c"] = sign(s, keys.signer("c"))
+    done = decide_commit(s, sigs, keys, 1.0, 6.0, 0.1, verified=frozenset(s.members) - set(first.missing))
+    assert isinstance(done, Commit) and keys.checked == ["c"]
+    assert done.certificate.problem(keys) is None
+
+
+def test_a_certificate_of_another_state_is_not_decoded():
+    keys = FakeKeys()
+    s = statement_for("run", "fp", 3, "d3", "d4", gathered("a", "b"))
+    other = statement_for("run", "fp", 3, "d3", "d5", gathered("a", "b"))
+    complete = Certificate(other, {m: sign(other, keys.signer(m)) for m in ("a", "b")}).to_bytes()
+    assert signatures_for(s, {}, {"a": complete}) == {}
+    # a blob that names our after-digest but is not a certificate is decoded, and ignored
+    assert signatures_for(s, {}, {"a": b'{"after": "d4"}'}) == {}
