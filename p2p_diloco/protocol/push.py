@@ -72,7 +72,7 @@ def slot_refusal(slot: PushSlot | None, sender: str, now: float) -> str | None:
 
 
 def over_limit(received: int, max_bytes: int) -> str | None:
-    """Why a push that has sent ``received`` bytes so far must be cut off, or None."""
+    """Why a state (pushed or downloaded) of which ``received`` bytes came so far must be cut off, or None."""
     if received > max_bytes:
-        return f"the push exceeds {max_bytes} bytes (the size of our own state and its metadata)"
+        return f"the state exceeds {max_bytes} bytes (the size of our own state and its metadata)"
     return None

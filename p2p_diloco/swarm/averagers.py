@@ -211,9 +211,11 @@ class Averagers:
             yield groups
 
     def download(self, index: int, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]]:
-        """(metadata, tensors) from averager ``index``'s counterpart on ``peer_id``; RoundFailed on any failure."""
+        """(metadata, tensors) from averager ``index``'s counterpart on ``peer_id``, at most the size of our own
+        state and its metadata (a donated state has exactly our shapes); RoundFailed on any failure."""
         try:
-            metadata, tensors = self.list[index].download_state(peer_id, timeout=timeout)
+            metadata, tensors = self.list[index].download_state(peer_id, timeout=timeout,
+                                                                max_bytes=push_limit(*self.state_sizes[index]))
         except Exception as e:
             raise RoundFailed(f"state download from {peer_id} failed: {one_line(e)}") from None
         if not isinstance(metadata, dict):

@@ -29,18 +29,16 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.asyncio import as_aiter, azip
 
 from ..outer.aggregation import Policy
 from .fastpath import DataServer, FastAllReduce
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
-from .state_push import PushMixin
+from .state_push import PushMixin, read_state
 
 logger = get_logger(__name__)
 
@@ -236,23 +234,14 @@ class ExactAverager(PushMixin, DecentralizedAverager):
                 await asyncio.sleep(self.state_delay)
             yield message
 
-    async def _download_state(self, peer: str, timeout: float, future: MPFuture) -> None:
-        """Averager process: stream ``peer``'s (metadata, tensors), bounded in total and per chunk."""
+    async def _download_state(self, peer: str, timeout: float, max_bytes: int, future: MPFuture) -> None:
+        """Averager process: stream ``peer``'s (metadata, tensors), bounded in time, per chunk and in bytes."""
 
         async def fetch():
             stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
             stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            metadata, tensors, parts = None, [], []
-            async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout or self.request_timeout):
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-            return metadata, tensors
+            return await read_state(stream, max_bytes, self.next_chunk_timeout or self.request_timeout,
+                                    self.serializer)
 
         try:
             metadata, tensors = await asyncio.wait_for(fetch(), timeout=timeout)
@@ -265,10 +254,11 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             if not isinstance(e, Exception):
                 raise
 
-    def download_state(self, peer: str, timeout: float):
-        """Download ``(metadata, tensors)`` from one given peer (base58 id), or raise. Unlike hivemind's
-        ``load_state_from_peers`` the host chooses the donor, so it can ask for the majority's weights and move
-        on to the next donor when one dies mid-transfer."""
+    def download_state(self, peer: str, timeout: float, max_bytes: int):
+        """Download ``(metadata, tensors)`` from one given peer (base58 id), at most ``max_bytes`` of it, or raise.
+        Unlike hivemind's ``load_state_from_peers`` the host chooses the donor, so it can ask for the majority's
+        weights and move on to the next donor when one dies mid-transfer."""
         future = MPFuture()
-        self._outer_pipe.send(("_download_state", [], dict(peer=peer, timeout=timeout, future=future)))
+        self._outer_pipe.send(("_download_state", [], dict(peer=peer, timeout=timeout, max_bytes=max_bytes,
+                                                           future=future)))
         return future.result(timeout=timeout + 5)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
+
+import torch
 
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
@@ -31,6 +33,29 @@ from ..protocol.records import PeerRecord
 logger = get_logger(__name__)
 # The answer to a push we did not ask for (hivemind's message codes have no better name for "not expecting this").
 REFUSED = averaging_pb2.NOT_LOOKING_FOR_GROUP
+
+
+async def read_state(messages: AsyncIterator[averaging_pb2.DownloadData], max_bytes: int, chunk_timeout: float,
+                     serializer: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``(metadata, tensors)`` from a stream of ``DownloadData`` messages (a download or a push: the same format,
+    metadata with the first chunk, then each tensor's serialised parts). ``ValueError`` once more than
+    ``max_bytes`` came; ``TimeoutError`` if a chunk takes more than ``chunk_timeout``. ``metadata`` is None if
+    the stream carried none."""
+    metadata, tensors, parts, received = None, [], [], 0
+    async for message in aiter_with_timeout(messages, timeout=chunk_timeout):
+        received += len(message.metadata) + len(message.tensor_part.buffer)
+        problem = over_limit(received, max_bytes)
+        if problem:  # before decoding anything of it: a donor or pusher cannot make us hold more than this
+            raise ValueError(problem)
+        if message.metadata:
+            metadata = serializer.loads(message.metadata)
+        if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+            parts = []
+        parts.append(message.tensor_part)
+    if parts:
+        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+    return metadata, tensors
 
 
 class PushMixin:
@@ -64,20 +89,8 @@ class PushMixin:
         return averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)
 
     async def _read_push(self, requests: AsyncIterator[averaging_pb2.DownloadData], max_bytes: int):
-        metadata, tensors, parts, received = None, [], [], 0
-        async for message in aiter_with_timeout(requests, timeout=self.next_chunk_timeout or self.request_timeout):
-            received += len(message.metadata) + len(message.tensor_part.buffer)
-            problem = over_limit(received, max_bytes)
-            if problem:
-                raise ValueError(problem)
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        metadata, tensors = await read_state(requests, max_bytes, self.next_chunk_timeout or self.request_timeout,
+                                             self.serializer)
         if metadata is None:
             raise ValueError("the push carried no metadata")
         return metadata, tensors

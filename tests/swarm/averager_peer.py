@@ -101,6 +101,8 @@ def main() -> None:
     p.add_argument("--no-wait", action="store_true", help="shut down at once after writing the result")
     p.add_argument("--codec", default="none")
     p.add_argument("--transport", choices=["p2p", "tcp"], default="p2p")
+    p.add_argument("--expect", type=int, default=None,
+                   help="the group size this peer asks for (default: group_size, the number of peers)")
     args = p.parse_args()
     import hivemind
 
@@ -119,13 +121,13 @@ def main() -> None:
     av = ExactAverager(make_tensors(args.index), dht, start=False, prefix="avgtest", min_matchmaking_time=5.0,
                        request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16,
                        compression=compression_for(args.codec))
-    gather = {}
+    gather = {"round": 3, "digest": "d3", "tokens": args.index + 1, "head": ""}  # what a peer's Syncer gathers
     if args.transport == "tcp":  # what Swarm does: a listening socket before the fork, its address in the gather
         from p2p_diloco.outer.codecs import get_codec
         from p2p_diloco.swarm.fastpath import listen_socket
 
         av.codec, av.data_socket = get_codec(args.codec), listen_socket("127.0.0.1")
-        gather = {"data": f"127.0.0.1:{av.data_socket.getsockname()[1]}"}
+        gather["data"] = f"127.0.0.1:{av.data_socket.getsockname()[1]}"
     av.run_in_background(await_ready=True, timeout=30)
     t0 = time.monotonic()
     errors = []
@@ -137,7 +139,7 @@ def main() -> None:
         with av.get_tensors() as ts:
             for t, mine in zip(ts, make_tensors(args.index)):
                 t.copy_(mine)
-        av.set_round_params("0110", args.group_size, timeout=10)
+        av.set_round_params("0110", args.expect or args.group_size, timeout=10)
         try:
             result = av.step(weight=float(args.index + 1), timeout=15, allow_retries=False, gather=gather)
             break
@@ -151,7 +153,9 @@ def main() -> None:
         with av.get_tensors() as ts:
             torch.save([t.clone() for t in ts], args.out + ".pt")
             out = {"ok": True, "digest": digest(ts), "group_size": result["group_size"], "attempts": len(errors) + 1,
-                   "bytes_sent": result["bytes_sent"], "bytes_received": result["bytes_received"]}
+                   "bytes_sent": result["bytes_sent"], "bytes_received": result["bytes_received"],
+                   "me": dht.peer_id.to_base58(),
+                   "gathered": {pid.to_base58(): data for pid, data in result["gathered"].items()}}
     else:
         out = {"ok": False, "error": errors[-1], "errors": errors, "seconds": time.monotonic() - t0}
     with open(args.out + ".json", "w") as f:

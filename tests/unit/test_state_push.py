@@ -12,7 +12,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
 from p2p_diloco.protocol.push import PushSlot, push_limit
-from p2p_diloco.swarm.state_push import REFUSED, PushMixin
+from p2p_diloco.swarm.state_push import REFUSED, PushMixin, read_state
 
 pytestmark = pytest.mark.unit
 
@@ -87,3 +87,23 @@ def test_with_nobody_asked_every_push_is_refused():
     async def go():
         return await Receiver().rpc_push_state(stream(messages(META, STATE)), Context("c1"))
     assert asyncio.run(go()).code == REFUSED
+
+
+def test_a_download_stops_reading_at_the_bound():
+    """Downloads read with the same reader (swarm/state_push.read_state): a donor streaming without end is cut
+    off once it sent more than the size of our state and its metadata, whatever it claims."""
+    sent = []
+
+    async def endless():
+        meta = MSGPackSerializer.dumps(META)
+        part = next(iter(split_for_streaming(serialize_torch_tensor(torch.zeros(256)), 1024)))
+        while True:
+            sent.append(1)
+            yield averaging_pb2.DownloadData(tensor_part=part, metadata=meta if len(sent) == 1 else b"")
+
+    limit = push_limit(4000, 1)
+    with pytest.raises(ValueError, match="exceeds"):
+        asyncio.run(read_state(endless(), limit, 2.0, MSGPackSerializer))
+    assert len(sent) * 1024 < 2 * limit
+    meta, tensors = asyncio.run(read_state(stream(messages(META, STATE)), 10**6, 2.0, MSGPackSerializer))
+    assert meta == META and all(torch.equal(a, b) for a, b in zip(tensors, STATE, strict=True))
