@@ -2,8 +2,11 @@
 
 Files are written atomically, so a crash or Ctrl-C while saving never costs the previous checkpoint, and every
 load is verified, so a damaged file is reported on one line instead of silently resuming from wrong weights.
-Checkpoints are pickles (``weights_only=False`` is needed for the numpy RNG state): only load files this program
-wrote.
+Checkpoints are shared (``p2p-diloco eval`` / ``export`` of a file someone handed over), so a file is read with
+``torch.load(weights_only=True)``: tensors, containers and plain values only, never an arbitrary pickle. A
+crafted file that names any other class or function is refused with a one-line error before anything of it
+runs. (Format 3 keeps the numpy RNG state as plain values; formats 1 and 2 kept a numpy array there, which is
+let through as the one extra type they need.)
 """
 
 from __future__ import annotations
@@ -25,8 +28,13 @@ from p2p_diloco.errors import UsageError
 from p2p_diloco.outer.optimizer import digest, legacy_digest
 from p2p_diloco.outer.shards import global_digest, shard_digest
 
-FORMAT = 2  # 2: the digest covers theta and momentum, and the round certificate is kept
-OLD_FORMATS = {1}  # 1: digest of theta only, no certificate (whole theta only: read, and its digest recomputed)
+FORMAT = 3  # 3: plain values only (the numpy RNG state as a list), read with weights_only=True
+# 2: the digest covers theta and momentum, and the round certificate is kept (a numpy array in the RNG state);
+# 1: digest of theta only, no certificate (whole theta only: read, and its digest recomputed)
+OLD_FORMATS = {1, 2}
+THETA_ONLY = {1}  # formats whose digest covers theta only
+# what formats 1 and 2 need beyond weights_only's tensors and containers: numpy's RNG key array (no code runs)
+_NUMPY_ARRAY = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 _NAME = re.compile(r"round-(\d{8,})\.pt")
 
 
@@ -53,7 +61,9 @@ class PeerState:
 
 def capture_rng() -> dict:
     """RNG states of Python ``random``, the numpy global generator, torch CPU and (if in use) every CUDA device."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    numpy = (name, [int(k) for k in keys], int(pos), int(has_gauss), float(gauss))  # plain values (weights_only)
+    state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
     # is_initialized, not is_available: a process that never touched CUDA has consumed no CUDA randomness, and
     # initialising CUDA here would break any later fork() and create contexts the peer never asked for.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -64,7 +74,8 @@ def capture_rng() -> dict:
 def restore_rng(state: dict) -> None:
     """Restore RNG states captured by :func:`capture_rng`."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, gauss = state["numpy"]  # (keys: a list, or a numpy array in formats 1 and 2)
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") and torch.cuda.is_available():
         # A resumed peer may see fewer GPUs than the one that saved; devices it no longer has are irrelevant.
@@ -203,8 +214,9 @@ def _round_of(path: Path) -> int:
 def _read(path: Path, fingerprint: str | None) -> PeerState:
     """Load ``path`` and check format, field types, theta against its digest and theta/momentum shapes."""
     try:
-        payload = torch.load(path, weights_only=False, map_location="cpu")
-    except Exception as exc:  # truncated zip, garbage, missing file, permissions: all "cannot read"
+        with torch.serialization.safe_globals(_NUMPY_ARRAY):
+            payload = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # truncated zip, garbage, a pickle of anything else, missing file: "cannot read"
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__  # torch errors span several lines
         raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from exc
     version = payload.get("format") if isinstance(payload, dict) else None
@@ -225,12 +237,12 @@ def _read(path: Path, fingerprint: str | None) -> PeerState:
         if theta or momentum or not isinstance(shard_digests, list) or \
                 global_digest(shard_digests) != payload["global_digest"]:
             raise CheckpointError(f"checkpoint {path} is corrupt: its shard digests do not match its recorded digest")
-        if version in OLD_FORMATS:
+        if version in THETA_ONLY:
             raise CheckpointError(f"checkpoint {path} is a sharded checkpoint of format {version}, written before "
                                   "shard digests covered the momentum: it cannot be verified by this version")
-    elif (digest(theta + momentum) if version == FORMAT else legacy_digest(theta)) != payload["global_digest"]:
+    elif (legacy_digest(theta) if version in THETA_ONLY else digest(theta + momentum)) != payload["global_digest"]:
         raise CheckpointError(f"checkpoint {path} is corrupt: theta and momentum do not match its recorded digest")
-    if version in OLD_FORMATS:
+    if version in THETA_ONLY:
         payload = dict(payload, global_digest=digest(theta + momentum), certificate=None)
     if payload.get("certificate") is not None and not isinstance(payload["certificate"], dict):
         raise CheckpointError(f"checkpoint {path} is corrupt: field 'certificate' is not a dict")

@@ -1,6 +1,9 @@
 import os
+import pathlib
 import random
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -276,3 +279,44 @@ def test_save_fsyncs_file_before_rename_and_directory_after(tmp_path, monkeypatc
     monkeypatch.setattr(checkpoint.os, "replace", replace)
     CheckpointStore(tmp_path).save(make_state())
     assert calls == ["fsync file", "replace", "fsync dir"]
+
+
+class Payload:
+    """A pickle that runs code when loaded the unsafe way: it creates ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_crafted_pickle_is_refused_and_nothing_runs(tmp_path):
+    """Issue 18, point 5: checkpoints are handed around (``eval``, ``export``); one that names any code is refused
+    with one line, before anything of it runs. Before, torch.load(weights_only=False) ran it, then refused it."""
+    marker = tmp_path / "ran"
+    path = CheckpointStore(tmp_path).save(make_state())
+    rewrite_payload(path, lambda p: p["extra"].update(x=Payload(marker)))
+    with pytest.raises(CheckpointError) as excinfo:
+        CheckpointStore(tmp_path).load(path)
+    assert_one_line_error(excinfo, path, "cannot read checkpoint")
+    assert not marker.exists()
+    for command in (["eval", "--checkpoint", str(path)], ["export", "--checkpoint", str(path), "--out",
+                                                          str(tmp_path / "out")]):
+        r = subprocess.run([sys.executable, "-m", "p2p_diloco", *command], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "cannot read checkpoint" in r.stderr and not marker.exists()
+
+
+def test_a_format_2_checkpoint_with_a_numpy_rng_state_still_loads(tmp_path):
+    np.random.seed(5)
+    np.random.rand(2)
+    state = np.random.get_state()
+    after = np.random.rand(3)
+    path = CheckpointStore(tmp_path).save(make_state())
+    rewrite_payload(path, lambda p: (p.update(format=2), p["rng"].update(numpy=state)))
+    loaded = CheckpointStore(tmp_path).load(path)
+    np.random.seed(6)
+    restore_rng(loaded.rng)
+    assert np.array_equal(np.random.rand(3), after)
