@@ -23,6 +23,7 @@ libp2p's encryption). Every read has an inactivity bound (``chunk_timeout``), so
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import socket
 import struct
@@ -37,6 +38,14 @@ from ..outer.codecs import Codec
 MAGIC = b"P2PDILOCO1"
 _INDICES = struct.Struct("!HHd")
 _LEN = struct.Struct("!Q")
+# What a stranger can hold on our data port (issue 18): a connection is *pending* from its accept until a
+# registered all-reduce of ours takes it (its header names a group we are in). Pending connections are capped in
+# all and per remote address, and a header must arrive whole within HEADER_TIMEOUT, so that idle or trickling
+# connections (slow-loris) cannot exhaust our file descriptors and shut out a group's members. Per address: a
+# reducer takes one connection from each other member at once, and a local swarm's members share 127.0.0.1.
+HEADER_TIMEOUT = 5.0
+MAX_PENDING = 128
+MAX_PENDING_PER_ADDRESS = 64
 REDUCE_CHUNK = 2**18  # values validated and combined at once (1 MiB of fp32, as the libp2p parts by default)
 
 
@@ -330,11 +339,16 @@ class FastAllReduce:
 class DataServer:
     """Accepts data-plane connections in the averager process and routes them to their group's all-reduce."""
 
-    def __init__(self, sock: socket.socket, register_timeout: float):
+    def __init__(self, sock: socket.socket, register_timeout: float, max_pending: int = MAX_PENDING,
+                 max_pending_per_address: int = MAX_PENDING_PER_ADDRESS, header_timeout: float = HEADER_TIMEOUT):
         self.sock, self.register_timeout = sock, register_timeout
+        self.max_pending, self.max_pending_per_address = max_pending, max_pending_per_address
+        self.header_timeout = header_timeout
         self.groups: dict[bytes, asyncio.Future] = {}
         self._accepting: asyncio.Task | None = None
         self._handlers: set[asyncio.Task] = set()
+        self.pending: collections.Counter[str] = collections.Counter()  # remote address -> pending connections
+        self.refused = 0  # connections closed at accept: over a cap
 
     async def start(self) -> None:
         self.sock.setblocking(False)
@@ -352,12 +366,18 @@ class DataServer:
         loop = asyncio.get_event_loop()
         while True:
             try:
-                conn, _ = await loop.sock_accept(self.sock)
+                conn, remote = await loop.sock_accept(self.sock)
             except OSError:  # e.g. too many open files: back off instead of spinning
                 await asyncio.sleep(0.1)
                 continue
+            address = remote[0] if isinstance(remote, tuple) else str(remote)
+            if sum(self.pending.values()) >= self.max_pending or self.pending[address] >= self.max_pending_per_address:
+                self.refused += 1
+                conn.close()
+                continue
+            self.pending[address] += 1
             _tune(conn)
-            task = asyncio.ensure_future(self._on_connection(conn))
+            task = asyncio.ensure_future(self._on_connection(conn, address))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -376,16 +396,19 @@ class DataServer:
         if slot is not None and not slot.done():
             slot.cancel()
 
-    async def _on_connection(self, conn: socket.socket) -> None:
-        key, allreduce = None, None
+    async def _on_connection(self, conn: socket.socket, address: str) -> None:
+        key, allreduce, pending = None, None, True
         try:
             header = bytearray(len(MAGIC) + 16 + _INDICES.size)
-            await _recv_into(conn, memoryview(header), 10.0)
+            # the whole header within header_timeout (a deadline in total, not between bytes: slow-loris)
+            await asyncio.wait_for(_recv_into(conn, memoryview(header), self.header_timeout), self.header_timeout)
             if header[:len(MAGIC)] != MAGIC:
                 return
             key = bytes(header[len(MAGIC):len(MAGIC) + 16])
             sender, reducer, weight = _INDICES.unpack(header[len(MAGIC) + 16:])
             allreduce = await asyncio.wait_for(asyncio.shield(self._slot(key)), self.register_timeout)
+            self._release(address)  # one of our groups took it: no longer a stranger's connection
+            pending = False
             if reducer != allreduce.index:
                 raise FastPathError(f"part for reducer {reducer} sent to reducer {allreduce.index}")
             await allreduce.serve(conn, sender, weight)
@@ -395,4 +418,11 @@ class DataServer:
             elif key is not None and key in self.groups and not self.groups[key].done():
                 self.groups.pop(key).cancel()  # nobody registered this key in time: forget it
         finally:
+            if pending:
+                self._release(address)
             conn.close()
+
+    def _release(self, address: str) -> None:
+        self.pending[address] -= 1
+        if self.pending[address] <= 0:
+            del self.pending[address]

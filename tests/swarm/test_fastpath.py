@@ -163,3 +163,71 @@ def test_a_reducer_that_leaves_right_after_its_run_has_answered_everyone(monkeyp
     outs = asyncio.run(main())
     assert all(isinstance(o, torch.Tensor) for o in outs), outs
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+SLOW_LORIS = r"""
+import socket, sys, time
+port, count, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+conns, end, said = [], time.monotonic() + seconds, False
+while time.monotonic() < end:
+    while len(conns) < count and time.monotonic() < end:  # (re)open: the server may have cut some off
+        s = socket.socket()
+        s.bind(("127.0.0.2", 0))  # another address than the group's members
+        try:
+            s.connect(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            break
+        conns.append(s)
+    if not said:
+        print("open", flush=True)
+        said = True
+    alive = []
+    for s in conns:  # one byte of a header every round: never a whole header
+        try:
+            s.send(b"P")
+            alive.append(s)
+        except OSError:
+            s.close()
+    conns = alive
+    time.sleep(0.5)
+"""
+
+
+def test_a_slow_loris_cannot_shut_a_group_out_of_a_low_fd_peer():
+    """Issue 18, point 2: 300 connections from a stranger, each sending a byte now and then and never a whole
+    header, against a process allowed 160 more open files. Pending connections are capped (in all and per
+    address) and a header must arrive whole within 5 s, so the group's all-reduce still completes. Before, every
+    connection was accepted and kept (10 s between bytes), the process ran out of file descriptors and the
+    group's members could not reach each other."""
+    import resource
+    import subprocess
+    import sys
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    used = len(os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, used + 160), hard))
+    try:
+        async def main():
+            n = 3
+            servers, runners = await _members(n, get_codec("none"), _vectors(n), [1.0] * n, os.urandom(20))
+            port = int(runners[0].addresses[0].split(":")[1])
+            attacker = subprocess.Popen([sys.executable, "-c", SLOW_LORIS, str(port), "300", "25"],
+                                        stdout=subprocess.PIPE, text=True,  # (with the usual fd limit)
+                                        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+            try:
+                line = await asyncio.get_running_loop().run_in_executor(None, attacker.stdout.readline)
+                assert line.strip() == "open", line
+                await asyncio.sleep(1.0)  # the server has taken what it takes
+                outs = await asyncio.wait_for(asyncio.gather(*(r.run(2.0, 10.0) for r in runners)), 30)
+                return outs, servers[0].refused, max(servers[0].pending.values(), default=0)
+            finally:
+                attacker.kill()
+                attacker.wait()
+                await _close(servers)
+
+        outs, refused, held = asyncio.run(main())
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert refused > 0 and held <= fastpath.MAX_PENDING_PER_ADDRESS
