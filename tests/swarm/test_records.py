@@ -178,3 +178,21 @@ def test_a_long_lived_record_of_another_identity_is_refused(dhts):
         assert a.run_coroutine(_local_items)[honest.subkey()][1] == now + 30
     finally:
         node.shutdown()
+
+
+def test_oversized_records_are_refused_and_the_key_stays_readable(dhts):
+    """Issue 18, point 7: the schema accepts a `.live` record whose `shard_peers` is 3.4 MB, and any config
+    dict; a few of them pushed DHT answers past p2pd's message limit and made the key unreadable. Every honest
+    DHT node now refuses a value over 16 KiB, however validly signed, and the honest records stay readable."""
+    honest, a, _, c, reader = dhts
+    now = get_dht_time()
+    assert a.store(KEY, {"round": 3}, now + 30, subkey=honest.subkey())
+    huge = {"round": 4, "shard_peers": ["Qm" + "x" * 44] * 75_000}  # ~3.4 MB, every field valid
+    a.store(KEY, huge, now + 31, subkey=honest.subkey())  # (the attacker's node b, with no validator, takes it)
+    c.store("run.config", {"k" * 8: "v" * 3_400_000}, now + 31, subkey=reader.subkey())
+    for dht in (a, c, a, c):
+        assert _read(dht) == {honest.peer_id: {"round": 3}}
+    for dht in (a, c):  # neither honest node stored either
+        local = dht.run_coroutine(_local_items)
+        assert local[honest.subkey()][1] == now + 30, local
+        assert not dht.run_coroutine(partial(_local_items, key="run.config"))
