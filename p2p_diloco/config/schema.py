@@ -132,7 +132,7 @@ class OuterConfig:
     shards: int = 8
     # How each reducer combines the contributions to its slice (p2p_diloco/outer/aggregation.py; docs/security.md):
     # mean | trimmed_mean | centered_clip. Every method first leaves out non-finite contributions and those whose
-    # RMS exceeds norm_bound x the median (or the swarm's recent RMS); norm_bound also caps a peer's weight at
+    # RMS exceeds norm_bound x the median (in a pair: x the reducer's own); norm_bound also caps a peer's weight at
     # norm_bound x the median weight. norm_bound = 0 turns both off.
     aggregation: Aggregation = "mean"
     norm_bound: float = 10.0

@@ -43,14 +43,12 @@ class Policy:
             is capped at ``norm_bound`` x the median weight; 0 turns both off.
         trim: ``trimmed_mean``: fraction of the contributions cut at each end of every coordinate.
         clip_iters: ``centered_clip``: number of clipping iterations.
-        reference_rms: The swarm's recent pseudo-gradient RMS (0 = unknown). It only ever raises the threshold.
     """
 
     method: str = "mean"
     norm_bound: float = 10.0
     trim: float = 0.25
     clip_iters: int = 3
-    reference_rms: float = 0.0
 
 
 @dataclass
@@ -96,21 +94,25 @@ def _basic_check(c: Contribution, numel: int) -> str | None:
     return None
 
 
-def validate(contributions: Sequence[Contribution], policy: Policy,
-             numel: int) -> tuple[list[Contribution], dict[int, str]]:
+def validate(contributions: Sequence[Contribution], policy: Policy, numel: int,
+             own: int | None = None) -> tuple[list[Contribution], dict[int, str]]:
     """Split the contributions into the kept ones and the excluded ones.
 
     Rules, in order (the first failing one is the reason): the tensor is 1-D with ``numel`` float32 values; the
     weight is finite and > 0; every value is finite; if ``policy.norm_bound > 0``, its RMS is at most
-    ``norm_bound`` x the reference, where the reference is the larger of the lower median RMS of the contributions
-    that passed the first rules and ``policy.reference_rms``. With fewer than 3 such contributions the median says
-    nothing about which one is wrong (of two, the smaller would always be "the median", and a peer sending a tiny
-    contribution would get an honest partner excluded), so only ``policy.reference_rms`` is used, if known.
+    ``norm_bound`` x the reference. The reference is the lower median RMS of the contributions that passed the
+    first rules, with 3 or more of them: no minority can raise it (the lower median of n values moves only if half
+    of them do). With fewer than 3 the median says nothing about which one is wrong (of two, the smaller would
+    always be "the median", and a peer sending a tiny contribution would get an honest partner excluded), so the
+    reference is the RMS of the reducer's own contribution (``own``), if it sent one: a fact it observed itself.
+    (The reference used to be raised by the median RMS of the swarm's last averaged outputs, which a contribution
+    just under the bound raised every round: a ratchet, issue 18.)
 
     Args:
         contributions: One contribution per sender.
         policy: The aggregation policy.
         numel: The number of values of this part.
+        own: The ``sender`` of the reducer's own contribution (None: the reducer sent none, or is not known).
 
     Returns:
         The kept contributions in input order, and ``{sender: reason}`` for the excluded ones.
@@ -126,7 +128,8 @@ def validate(contributions: Sequence[Contribution], policy: Policy,
     if policy.norm_bound <= 0 or not passed:
         return passed, excluded
     norms = [rms(c.tensor) for c in passed]
-    reference = max(_lower_median(norms) if len(norms) >= 3 else 0.0, policy.reference_rms)
+    ours = [r for c, r in zip(passed, norms) if own is not None and c.sender == own]
+    reference = _lower_median(norms) if len(norms) >= 3 else (ours[0] if ours else 0.0)
     kept = []
     for c, r in zip(passed, norms):
         if reference > 0 and r > policy.norm_bound * reference:
@@ -136,11 +139,12 @@ def validate(contributions: Sequence[Contribution], policy: Policy,
     return kept, excluded
 
 
-def _capped_weights(kept: Sequence[Contribution], policy: Policy) -> torch.Tensor:
-    """Float64 weights, each capped at ``norm_bound`` x the lower median weight (if ``norm_bound > 0``)."""
+def _capped_weights(kept: Sequence[Contribution], policy: Policy, factor: float | None = None) -> torch.Tensor:
+    """Float64 weights, each capped at ``factor`` (default ``norm_bound``) x the lower median weight (if
+    ``norm_bound > 0``)."""
     weights = [float(c.weight) for c in kept]
     if policy.norm_bound > 0:
-        cap = policy.norm_bound * _lower_median(weights)
+        cap = (policy.norm_bound if factor is None else factor) * _lower_median(weights)
         weights = [min(w, cap) for w in weights]
     return torch.tensor(weights, dtype=torch.float64, device=kept[0].tensor.device)
 
@@ -184,8 +188,10 @@ def combine(kept: Sequence[Contribution], policy: Policy) -> torch.Tensor:
     """Combine validated contributions into one new 1-D float32 tensor (inputs are left untouched).
 
     ``mean`` is a running fp32 sum (the per-round hot path); the robust methods compute in float64. Weights are
-    capped at ``norm_bound`` x the lower median weight (when ``norm_bound > 0``) so that no peer can claim a huge
-    token count to dominate.
+    capped at ``norm_bound`` x the lower median weight for ``mean`` and at the lower median weight for
+    ``centered_clip`` (when ``norm_bound > 0``) so that no peer can claim a huge token count to dominate.
+    ``mean`` is not robust to an insider: one contribution just under the norm bound, in the negated honest
+    direction, reverses it (docs/security.md).
 
     Args:
         kept: The contributions to combine (normally the output of :func:`validate`).
@@ -212,18 +218,21 @@ def combine(kept: Sequence[Contribution], policy: Policy) -> torch.Tensor:
     if policy.method == "trimmed_mean":
         out = _trimmed_mean(stack, policy.trim)
     else:
-        out = _centered_clip(stack, _capped_weights(kept, policy), policy.clip_iters)
+        # No weight above the median one: the weights are self-reported, and with norm_bound x the median an insider
+        # sending the negated honest direction just under the norm bound reversed the result in groups of 3 and 4
+        # (tests/unit/test_aggregation.py, the "inverse" arm); capped at the median it cannot.
+        out = _centered_clip(stack, _capped_weights(kept, policy, factor=1.0), policy.clip_iters)
     return out.to(torch.float32)
 
 
-def aggregate(contributions: Sequence[Contribution], policy: Policy,
-              numel: int) -> tuple[torch.Tensor, dict[int, str]]:
+def aggregate(contributions: Sequence[Contribution], policy: Policy, numel: int,
+              own: int | None = None) -> tuple[torch.Tensor, dict[int, str]]:
     """Validate, then combine, the contributions to one part: returns (aggregate, ``{sender: reason}``).
 
     Raises:
         AggregationError: Every contribution was excluded (the message lists why).
     """
-    kept, excluded = validate(contributions, policy, numel)
+    kept, excluded = validate(contributions, policy, numel, own)
     if not kept:
         why = "; ".join(f"{sender}: {reason}" for sender, reason in excluded.items()) or "none received"
         raise AggregationError(f"no contribution left to aggregate ({why})")

@@ -11,10 +11,8 @@ pseudo-gradient for a retry.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
-import statistics
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -32,8 +30,6 @@ from ..protocol.push import push_limit
 
 log = logging.getLogger("p2p_diloco.swarm")
 
-
-RMS_HISTORY = 5  # rounds of averaged pseudo-gradient RMS behind the norm bound's reference
 
 
 def policy_of(cfg) -> Policy:
@@ -82,9 +78,6 @@ class Averagers:
         self.list: list[ExactAverager] = []
         self.addresses: list[str | None] = []
         self.p2p_only_round = -1
-        # The RMS of recent averaged pseudo-gradients, per averager: the norm bound's reference, so that a group in
-        # which the bad contributions are the majority still has a scale to compare against.
-        self.rms_history = [collections.deque(maxlen=RMS_HISTORY) for _ in self.keys]
         self._corruption = torch.Generator().manual_seed(cfg.run.seed + 1)  # debug.corrupt_pseudo_gradient only
         prefix = f"{cfg.run.run_id}_{cfg.fingerprint()}"
         self.state_sizes: list[tuple[int, int]] = []  # per averager: (bytes, tensors) of theta and its momentum
@@ -151,11 +144,9 @@ class Averagers:
         """
         controls = []
         t0 = time.monotonic()
-        for averager, tensors, address, history in zip(self.list, groups, self.addresses, self.rms_history,
-                                                       strict=True):
+        for averager, tensors, address in zip(self.list, groups, self.addresses, strict=True):
             averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
-                                      allreduce_timeout=allreduce_timeout,
-                                      reference_rms=statistics.median(history) if history else 0.0)
+                                      allreduce_timeout=allreduce_timeout)
             with averager.get_tensors() as buffers:
                 for buf, t in zip(buffers, tensors, strict=True):
                     buf.copy_(t)
@@ -205,10 +196,7 @@ class Averagers:
     def averaged(self) -> Iterator[list[list[torch.Tensor]]]:
         """The last successful all-reduce's averages, per averager, in place (under the averagers' locks)."""
         with contextlib.ExitStack() as stack:
-            groups = [stack.enter_context(averager.get_tensors()) for averager in self.list]
-            for buffers, history in zip(groups, self.rms_history, strict=True):
-                history.append(_rms(buffers))
-            yield groups
+            yield [stack.enter_context(averager.get_tensors()) for averager in self.list]
 
     def download(self, index: int, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]]:
         """(metadata, tensors) from averager ``index``'s counterpart on ``peer_id``, at most the size of our own
@@ -252,13 +240,6 @@ class Averagers:
     def push(self, peer_id: str, timeout: float) -> bool:
         """Push our state to ``peer_id`` (we are a client-mode peer it asked); True if it took it."""
         return self.list[0].push_state(peer_id, timeout)
-
-
-def _rms(tensors: Sequence[torch.Tensor]) -> float:
-    """The RMS of several tensors taken as one vector, without concatenating them."""
-    numel = sum(t.numel() for t in tensors)
-    squares = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors)
-    return (squares / numel) ** 0.5 if numel else 0.0
 
 
 def _wait_step_finished(control, timeout: float) -> None:

@@ -21,7 +21,6 @@ downloaders of its state (allowlist.py). The libp2p runner itself is in runner.p
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from typing import AsyncIterator, Sequence
 
@@ -36,7 +35,8 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
 
 from ..outer.aggregation import Policy
-from .fastpath import DataServer, FastAllReduce
+from .data_server import DataServer
+from .fastpath import FastAllReduce
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
 from .state_push import PushMixin, read_state
 
@@ -63,7 +63,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
     # slept before sending each all-reduce part, and before each chunk of a state download we serve. 0 in a run.
     part_delay = 0.0
     state_delay = 0.0
-    policy = Policy()  # how our reducer validates and combines contributions (reference_rms is set per round)
+    policy = Policy()  # how our reducer validates and combines contributions
     allowed: frozenset[str] | None = None  # swarm.allowed_peers (base58 ids); None = an open swarm
 
     def get_current_state(self):
@@ -168,14 +168,12 @@ class ExactAverager(PushMixin, DecentralizedAverager):
                             "excluded": runner.excluded}
 
     async def _set_round_params(self, group_bits: str, group_size: int, future, matchmaking_time=None,
-                                allreduce_timeout=None, reference_rms: float = 0.0):
-        """Executed in the averager process: key this round's matchmaking, require exactly ``group_size``, take
-        this attempt's deadlines (adaptive deadlines change them between attempts) and the swarm's recent
-        pseudo-gradient RMS (the norm bound's reference)."""
+                                allreduce_timeout=None):
+        """Executed in the averager process: key this round's matchmaking, require exactly ``group_size``, and take
+        this attempt's deadlines (adaptive deadlines change them between attempts)."""
         try:
             mm = self._matchmaking
             self._guard_matchmaking(mm)
-            self.policy = dataclasses.replace(self.policy, reference_rms=float(reference_rms))
             mm.group_key_manager.group_bits = group_bits
             mm.group_key_manager.target_group_size = group_size
             mm.target_group_size = mm.min_group_size = group_size
@@ -213,14 +211,13 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             yield message
 
     def set_round_params(self, group_bits: str, group_size: int, timeout: float, matchmaking_time: float | None = None,
-                         allreduce_timeout: float | None = None, reference_rms: float = 0.0) -> None:
+                         allreduce_timeout: float | None = None) -> None:
         if matchmaking_time is not None:  # the host side schedules the step with it (DecentralizedAverager.step)
             self.matchmaking_kwargs["min_matchmaking_time"] = matchmaking_time
         future = MPFuture()
         self._outer_pipe.send(("_set_round_params", [], dict(group_bits=group_bits, group_size=group_size,
                                                               future=future, matchmaking_time=matchmaking_time,
-                                                              allreduce_timeout=allreduce_timeout,
-                                                              reference_rms=reference_rms)))
+                                                              allreduce_timeout=allreduce_timeout)))
         future.result(timeout=timeout)
 
 

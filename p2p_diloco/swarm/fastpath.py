@@ -23,7 +23,6 @@ libp2p's encryption). Every read has an inactivity bound (``chunk_timeout``), so
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import socket
 import struct
@@ -38,14 +37,6 @@ from ..outer.codecs import Codec
 MAGIC = b"P2PDILOCO1"
 _INDICES = struct.Struct("!HHd")
 _LEN = struct.Struct("!Q")
-# What a stranger can hold on our data port (issue 18): a connection is *pending* from its accept until a
-# registered all-reduce of ours takes it (its header names a group we are in). Pending connections are capped in
-# all and per remote address, and a header must arrive whole within HEADER_TIMEOUT, so that idle or trickling
-# connections (slow-loris) cannot exhaust our file descriptors and shut out a group's members. Per address: a
-# reducer takes one connection from each other member at once, and a local swarm's members share 127.0.0.1.
-HEADER_TIMEOUT = 5.0
-MAX_PENDING = 128
-MAX_PENDING_PER_ADDRESS = 64
 REDUCE_CHUNK = 2**18  # values validated and combined at once (1 MiB of fp32, as the libp2p parts by default)
 
 
@@ -248,7 +239,7 @@ class FastAllReduce:
         for start in range(0, numel, REDUCE_CHUNK):
             stop = min(start + REDUCE_CHUNK, numel)
             chunk = [Contribution(c.sender, c.tensor[start:stop], c.weight) for c in contributions]
-            kept, excluded = validate(chunk, self.policy, stop - start)
+            kept, excluded = validate(chunk, self.policy, stop - start, own=self.index)
             for sender, reason in excluded.items():
                 self.excluded.setdefault(sender, reason)
             if not kept:
@@ -334,95 +325,3 @@ class FastAllReduce:
                 if task.done() and not task.cancelled():
                     task.exception()
         return self.output
-
-
-class DataServer:
-    """Accepts data-plane connections in the averager process and routes them to their group's all-reduce."""
-
-    def __init__(self, sock: socket.socket, register_timeout: float, max_pending: int = MAX_PENDING,
-                 max_pending_per_address: int = MAX_PENDING_PER_ADDRESS, header_timeout: float = HEADER_TIMEOUT):
-        self.sock, self.register_timeout = sock, register_timeout
-        self.max_pending, self.max_pending_per_address = max_pending, max_pending_per_address
-        self.header_timeout = header_timeout
-        self.groups: dict[bytes, asyncio.Future] = {}
-        self._accepting: asyncio.Task | None = None
-        self._handlers: set[asyncio.Task] = set()
-        self.pending: collections.Counter[str] = collections.Counter()  # remote address -> pending connections
-        self.refused = 0  # connections closed at accept: over a cap
-
-    async def start(self) -> None:
-        self.sock.setblocking(False)
-        self._accepting = asyncio.ensure_future(self._accept_forever())
-
-    async def close(self) -> None:
-        """Stop accepting and drop every open connection (tests; the averager process just exits)."""
-        for task in [self._accepting, *self._handlers]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*[t for t in [self._accepting, *self._handlers] if t], return_exceptions=True)
-        self.sock.close()
-
-    async def _accept_forever(self) -> None:
-        loop = asyncio.get_event_loop()
-        while True:
-            try:
-                conn, remote = await loop.sock_accept(self.sock)
-            except OSError:  # e.g. too many open files: back off instead of spinning
-                await asyncio.sleep(0.1)
-                continue
-            address = remote[0] if isinstance(remote, tuple) else str(remote)
-            if sum(self.pending.values()) >= self.max_pending or self.pending[address] >= self.max_pending_per_address:
-                self.refused += 1
-                conn.close()
-                continue
-            self.pending[address] += 1
-            _tune(conn)
-            task = asyncio.ensure_future(self._on_connection(conn, address))
-            self._handlers.add(task)
-            task.add_done_callback(self._handlers.discard)
-
-    def _slot(self, key: bytes) -> asyncio.Future:
-        if key not in self.groups:
-            self.groups[key] = asyncio.get_event_loop().create_future()
-        return self.groups[key]
-
-    def register(self, allreduce: FastAllReduce) -> None:
-        slot = self._slot(allreduce.key)
-        if not slot.done():
-            slot.set_result(allreduce)
-
-    def unregister(self, allreduce: FastAllReduce) -> None:
-        slot = self.groups.pop(allreduce.key, None)
-        if slot is not None and not slot.done():
-            slot.cancel()
-
-    async def _on_connection(self, conn: socket.socket, address: str) -> None:
-        key, allreduce, pending = None, None, True
-        try:
-            header = bytearray(len(MAGIC) + 16 + _INDICES.size)
-            # the whole header within header_timeout (a deadline in total, not between bytes: slow-loris)
-            await asyncio.wait_for(_recv_into(conn, memoryview(header), self.header_timeout), self.header_timeout)
-            if header[:len(MAGIC)] != MAGIC:
-                return
-            key = bytes(header[len(MAGIC):len(MAGIC) + 16])
-            sender, reducer, weight = _INDICES.unpack(header[len(MAGIC) + 16:])
-            allreduce = await asyncio.wait_for(asyncio.shield(self._slot(key)), self.register_timeout)
-            self._release(address)  # one of our groups took it: no longer a stranger's connection
-            pending = False
-            if reducer != allreduce.index:
-                raise FastPathError(f"part for reducer {reducer} sent to reducer {allreduce.index}")
-            await allreduce.serve(conn, sender, weight)
-        except (asyncio.TimeoutError, OSError, FastPathError, struct.error) as e:
-            if allreduce is not None:  # a member's part is lost: our slice can never be complete
-                allreduce.abort(f"a sender's part was lost: {type(e).__name__}")
-            elif key is not None and key in self.groups and not self.groups[key].done():
-                self.groups.pop(key).cancel()  # nobody registered this key in time: forget it
-        finally:
-            if pending:
-                self._release(address)
-            conn.close()
-
-    def _release(self, address: str) -> None:
-        self.pending[address] -= 1
-        if self.pending[address] <= 0:
-            del self.pending[address]

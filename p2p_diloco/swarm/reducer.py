@@ -30,8 +30,8 @@ class ValidatingPartReducer(TensorPartReducer):
         failed_parts: parts for which no valid contribution was left; the runner refuses them (all-or-nothing).
     """
 
-    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, policy: Policy):
-        self.policy = policy
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, policy: Policy, own: int | None = None):
+        self.policy, self.own = policy, own  # own: our index among the senders (the norm bound's reference)
         self.contributions: list[Contribution] = []
         self.excluded: dict[int, str] = {}
         self.failed_parts: set[int] = set()
@@ -74,7 +74,7 @@ class ValidatingPartReducer(TensorPartReducer):
         shape = self.part_shapes[self.current_part_index]
         # sorted by sender: the same inputs give the same bytes whatever order the streams delivered them in
         contributions = sorted(self.contributions, key=lambda c: c.sender)
-        kept, excluded = validate(contributions, self.policy, shape.numel())
+        kept, excluded = validate(contributions, self.policy, shape.numel(), self.own)
         if kept:
             averaged = combine(kept, self.policy).reshape(shape)
         else:  # every contribution was invalid: this part cannot be averaged, so the round fails

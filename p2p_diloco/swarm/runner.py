@@ -35,8 +35,9 @@ class ExactAllReduceRunner(AllReduceRunner):
         # Replaces hivemind's running-sum reducer before any part can arrive (nothing is awaited in between). The
         # old one is marked finished first: its __del__ would otherwise warn that it "received 0.0%" of its inputs.
         self.tensor_part_reducer.finished.set()
+        own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
         self.tensor_part_reducer = ValidatingPartReducer(self.tensor_part_reducer.part_shapes,
-                                                         len(self.sender_peer_ids), policy)
+                                                         len(self.sender_peer_ids), policy, own)
         self.part_delay = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0

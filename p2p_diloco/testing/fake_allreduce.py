@@ -96,12 +96,23 @@ class Group:
             flats.append(flat)
         cfg = calls[0].swarm.cfg
         policy = Policy(method=cfg.outer.aggregation, norm_bound=cfg.outer.norm_bound, trim=cfg.outer.trim)
-        contributions = [Contribution(i, f, float(c.request.weight)) for i, (c, f) in enumerate(zip(calls, flats))]
-        try:
-            average, excluded = aggregate(contributions, policy, flats[0].numel())
-        except Exception as e:  # every contribution excluded: the round fails on every member
-            self.fail(f"reducer failed: {e}")
-            return
+        # as the butterfly does: member i reduces slice i, with its own contribution as the norm bound's reference
+        numel, n = flats[0].numel(), len(calls)
+        bounds = [numel * i // n for i in range(n + 1)]
+        parts, excluded = [], {}
+        for i in range(n):
+            lo, hi = bounds[i], bounds[i + 1]
+            contributions = [Contribution(j, f[lo:hi], float(c.request.weight))
+                             for j, (c, f) in enumerate(zip(calls, flats))]
+            try:
+                part, left_out = aggregate(contributions, policy, hi - lo, own=i)
+            except Exception as e:  # every contribution excluded: the round fails on every member
+                self.fail(f"reducer {calls[i].swarm.peer_id} failed: {e}")
+                return
+            parts.append(part)
+            for j, reason in left_out.items():
+                excluded.setdefault(j, reason)
+        average = torch.cat(parts)
         average = get_codec(cfg.outer.compression).round_trip(average)
         self.excluded = {calls[i].swarm.peer_id: reason for i, reason in excluded.items()}
         self.result = [average]

@@ -10,7 +10,9 @@ import torch
 
 from p2p_diloco.outer.codecs import CODECS, get_codec
 from p2p_diloco.swarm import fastpath
-from p2p_diloco.swarm.fastpath import MAGIC, DataServer, FastAllReduce, FastPathError, listen_socket
+from p2p_diloco.swarm import data_server
+from p2p_diloco.swarm.data_server import DataServer
+from p2p_diloco.swarm.fastpath import MAGIC, FastAllReduce, FastPathError, listen_socket
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(60)]
 
@@ -230,4 +232,4 @@ def test_a_slow_loris_cannot_shut_a_group_out_of_a_low_fd_peer():
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
-    assert refused > 0 and held <= fastpath.MAX_PENDING_PER_ADDRESS
+    assert refused > 0 and held <= data_server.MAX_PENDING_PER_ADDRESS

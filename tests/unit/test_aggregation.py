@@ -79,15 +79,13 @@ def test_norm_bound_zero_disables_it():
     assert excluded == {} and [c.sender for c in kept] == [0, 1, 2, 3]
 
 
-def test_reference_rms_only_raises_the_threshold():
+def test_with_three_or_more_the_median_is_the_reference_even_for_our_own():
+    """A peer whose own pseudo-gradient is bad (a bug, bad hardware) must not let it through its own slice."""
     cs = _honest(4)
     cs[3] = Contribution(3, cs[3].tensor * 5, cs[3].weight)  # ~5x the median RMS: passes a bound of 10
-    assert validate(cs, Policy(), NUMEL)[1] == {}
-    assert validate(cs, Policy(reference_rms=1e-3), NUMEL)[1] == {}  # a smaller reference does not tighten it
-    cs[3] = Contribution(3, cs[3].tensor * 4, cs[3].weight)  # ~20x: excluded with the median reference...
-    assert list(validate(cs, Policy(), NUMEL)[1]) == [3]
-    kept, excluded = validate(cs, Policy(reference_rms=3.0), NUMEL)  # ...but let through by a larger reference
-    assert excluded == {} and len(kept) == 4
+    assert validate(cs, Policy(), NUMEL, own=0)[1] == {}
+    cs[3] = Contribution(3, cs[3].tensor * 20, cs[3].weight)  # ~100x: excluded, even by its own reducer
+    assert list(validate(cs, Policy(), NUMEL, own=3)[1]) == [3]
 
 
 def test_huge_weight_does_not_dominate_the_mean():
@@ -200,12 +198,81 @@ def test_corrupt_random():
                     10_000)[1] == {}
 
 
-def test_two_contributions_use_only_the_swarms_reference():
+def test_two_contributions_use_only_our_own_as_the_reference():
     # of two, the smaller is always the lower median: a peer sending a tiny contribution must not get its honest
-    # partner excluded, so with fewer than 3 only the swarm's recent RMS (if known) bounds the norm
+    # partner excluded, so with fewer than 3 only the reducer's own contribution (if it sent one) bounds the norm
     honest, tiny = torch.ones(8), torch.full((8,), 1e-4)
-    kept, excluded = validate([Contribution(0, honest, 1.0), Contribution(1, tiny, 1.0)], Policy(), 8)
+    kept, excluded = validate([Contribution(0, honest, 1.0), Contribution(1, tiny, 1.0)], Policy(), 8, own=0)
     assert excluded == {} and len(kept) == 2
     huge = torch.full((8,), 1e3)
-    kept, excluded = validate([Contribution(0, honest, 1.0), Contribution(1, huge, 1.0)], Policy(reference_rms=1.0), 8)
+    pair = [Contribution(0, honest, 1.0), Contribution(1, huge, 1.0)]
+    assert validate(pair, Policy(), 8)[1] == {}  # nothing to compare with
+    kept, excluded = validate(pair, Policy(), 8, own=0)
     assert list(excluded) == [1] and [c.sender for c in kept] == [0]
+
+
+# ---------------------------------------------------------------------------------------------- insider attacks
+# One insider in a group of n (issue 18, point 3): what it can do to a reducer's slice within the rules.
+
+ROBUST = ("trimmed_mean", "centered_clip")
+
+
+def _group(n, seed, numel=4096):
+    """n - 1 honest pseudo-gradients sharing a direction (what peers of one round send), and their mean."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(numel, generator=g)
+    honest = [base + 0.5 * torch.randn(numel, generator=g) for _ in range(n - 1)]
+    return honest, torch.stack(honest).mean(0)
+
+
+def _cos(a, b):
+    return float(torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0))
+
+
+@pytest.mark.parametrize("method", ROBUST)
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_inverse_arm_cannot_reverse_a_robust_method(n, method):
+    """``inverse``: the negated honest direction at 9.9x the smallest honest RMS (just under the norm bound) with
+    10x the honest weight (the most the weight cap allowed). centered_clip was reversed by it in groups of 3
+    and 4 (cos -0.85 and -0.64) while it weighted contributions up to 10x the median; the mean is reversed at
+    every size (docs/security.md)."""
+    honest, mean = _group(n, seed=n)
+    bad = -mean / rms(mean) * 9.9 * min(rms(h) for h in honest)
+    cs = [Contribution(i, h, 1.0) for i, h in enumerate(honest)] + [Contribution(n - 1, bad, 10.0)]
+    out, excluded = aggregate(cs, Policy(method=method), mean.numel(), own=0)
+    assert excluded == {}  # within the rules
+    assert _cos(out, mean) > 0.9 and 0.5 < rms(out) / rms(mean) < 1.5, (_cos(out, mean), rms(out) / rms(mean))
+
+
+@pytest.mark.parametrize("method", ROBUST + ("mean",))
+@pytest.mark.parametrize("n", [4, 8])
+def test_alie_arm_moves_the_result_by_less_than_the_honest_spread(n, method):
+    """``alie`` (A Little Is Enough, Baruch et al. 2019, https://arxiv.org/abs/1902.06156): the honest mean minus
+    one standard deviation in every coordinate: nothing looks out of place. One insider moves the result by at
+    most the honest spread (the std's RMS) at these sizes."""
+    honest, mean = _group(n, seed=10 + n)
+    stack = torch.stack(honest)
+    spread = rms(stack.std(0))
+    bad = stack.mean(0) - stack.std(0)
+    cs = [Contribution(i, h, 1.0) for i, h in enumerate(honest)] + [Contribution(n - 1, bad, 1.0)]
+    out, excluded = aggregate(cs, Policy(method=method), mean.numel(), own=0)
+    assert excluded == {}
+    assert rms(out - mean) < spread and _cos(out, mean) > 0.9
+
+
+@pytest.mark.parametrize("method", ROBUST + ("mean",))
+def test_ratchet_arm_cannot_grow_the_result_round_after_round(method):
+    """``ratchet``: for 10 rounds, the insider sends the honest direction at just under the norm bound of the
+    largest reference it could have raised (9.9x last round's result). When the reference included the median
+    RMS of the swarm's recent results, every round raised the next one's bound: in a 4-peer simulation the
+    result's RMS grew from 0.014 to 353 in 10 rounds with no exclusion. Now the reference is this round's own
+    contributions, and the result stays within the bound of the honest ones."""
+    n, previous, sizes = 4, None, []
+    for round_ in range(10):
+        honest, mean = _group(n, seed=100 + round_)
+        scale = 9.9 * (rms(previous) if previous is not None else rms(mean))
+        bad = mean / rms(mean) * scale
+        cs = [Contribution(i, h, 1.0) for i, h in enumerate(honest)] + [Contribution(n - 1, bad, 1.0)]
+        previous, _ = aggregate(cs, Policy(method=method), mean.numel(), own=0)
+        sizes.append(rms(previous) / rms(mean))
+    assert max(sizes) < 4.0, sizes  # mean: at most (3 + 9.9 x median) / 4 of the honest RMS; robust: about 1
