@@ -26,3 +26,18 @@ def one_digest(peers: list[SimPeer]) -> str:
     digests = {s["global_digest"] for s in finals(peers).values()}
     assert len(digests) == 1, digests
     return digests.pop()
+
+
+def certificates(peer: SimPeer) -> dict[int, str]:
+    """``{round: certificate id}`` of the peer's committed rounds (``outer_step`` events)."""
+    return {e["round"]: e["certificate"] for e in peer.of(Event.OUTER_STEP)}
+
+
+def assert_every_round_certified_alike(peers: list[SimPeer], rounds: int) -> None:
+    """Every peer committed rounds 1..``rounds`` itself (no catch-up, no state loaded), with the same certificates,
+    and ends with one digest."""
+    for p in peers:
+        assert sorted(certificates(p)) == list(range(1, rounds + 1)), p.events
+        assert not p.of(Event.STATE_LOADED), p.events
+    assert all(certificates(p) == certificates(peers[0]) for p in peers[1:])
+    one_digest(peers)

@@ -9,14 +9,10 @@ import torch
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.protocol.certificate import Certificate
 from p2p_diloco.testing.harness import SimSwarm
-from tests.sim.helpers import assert_consistent, one_digest
+from tests.sim.helpers import assert_consistent, assert_every_round_certified_alike, one_digest
 
 pytestmark = pytest.mark.sim
 ROUNDS = 4
-
-
-def _certificates(peer) -> dict[int, str]:
-    return {e["round"]: e["certificate"] for e in peer.of(Event.OUTER_STEP)}
 
 
 def test_a_member_failing_after_the_others_completed_commits_nothing_anywhere():
@@ -32,11 +28,7 @@ def test_a_member_failing_after_the_others_completed_commits_nothing_anywhere():
         for p in (a, b):
             failed = p.of(Event.COMMIT_FAILED, round=2)
             assert failed and "did not sign" in failed[0]["reason"], p.events
-        for p in (a, b, c):
-            assert sorted(_certificates(p)) == list(range(1, ROUNDS + 1)), p.events  # every round, no catch-up
-            assert not p.of(Event.STATE_LOADED)
-        assert _certificates(a) == _certificates(b) == _certificates(c)
-        one_digest([a, b, c])
+        assert_every_round_certified_alike([a, b, c], ROUNDS)
         assert_consistent(swarm)
 
 
@@ -51,11 +43,7 @@ def test_a_leader_cannot_shrink_the_group():
         swarm.finish()
         refused = [e for p in (a, b, c) for e in p.of(Event.ALLREDUCE_FAILED) if "refused the group" in e["reason"]]
         assert refused and "a group of 2, we expected 3" in refused[0]["reason"], [p.events for p in (a, b, c)]
-        for p in (a, b, c):
-            assert sorted(_certificates(p)) == list(range(1, ROUNDS + 1)), p.events
-            assert not p.of(Event.STATE_LOADED)
-        assert _certificates(a) == _certificates(b) == _certificates(c)
-        one_digest([a, b, c])
+        assert_every_round_certified_alike([a, b, c], ROUNDS)
 
 
 def test_every_committed_round_is_certified_by_all_its_members_and_chained():

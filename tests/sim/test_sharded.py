@@ -7,15 +7,11 @@ import pytest
 
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.testing.harness import SimSwarm
-from tests.sim.helpers import assert_consistent, one_digest
+from tests.sim.helpers import assert_consistent, assert_every_round_certified_alike, certificates, one_digest
 
 pytestmark = pytest.mark.sim
 ROUNDS = 4
 SHARDED = [f"run.max_rounds={ROUNDS}", "swarm.min_peers=3", "outer.sharding=sharded", "outer.shards=3"]
-
-
-def _certificates(peer) -> dict[int, str]:
-    return {e["round"]: e["certificate"] for e in peer.of(Event.OUTER_STEP)}
 
 
 def test_sharded_peers_commit_every_round_together():
@@ -23,9 +19,9 @@ def test_sharded_peers_commit_every_round_together():
         a, b, c = swarm.add(), swarm.add(), swarm.add()
         swarm.finish()
         for p in (a, b, c):
-            assert sorted(_certificates(p)) == list(range(1, ROUNDS + 1)), p.events
+            assert sorted(certificates(p)) == list(range(1, ROUNDS + 1)), p.events
             assert [e["group_size"] for e in p.of(Event.ALLREDUCE_DONE)] == [3] * ROUNDS
-        assert _certificates(a) == _certificates(b) == _certificates(c)
+        assert certificates(a) == certificates(b) == certificates(c)
         one_digest([a, b, c])
 
 
@@ -48,9 +44,5 @@ def test_a_round_whose_shards_met_different_peers_is_not_committed():
         for p in (b, c):  # they signed, a did not: they drop the attempt
             dropped = p.of(Event.COMMIT_FAILED, round=2)
             assert dropped and "did not sign" in dropped[0]["reason"], p.events
-        for p in (a, b, c):
-            assert sorted(_certificates(p)) == list(range(1, ROUNDS + 1)), p.events  # every round, no catch-up
-            assert not p.of(Event.STATE_LOADED)
-        assert _certificates(a) == _certificates(b) == _certificates(c)
-        one_digest([a, b, c])
+        assert_every_round_certified_alike([a, b, c], ROUNDS)
         assert_consistent(swarm)
