@@ -2,14 +2,17 @@
 
 Every arm runs 4 real peers (``p2p-diloco join`` subprocesses on 127.0.0.1) with fixed data seeds, so the honest
 peers see the same data in every arm; in all but the ``honest`` arms peer 3 sends a corrupted pseudo-gradient every
-round (``--debug-corrupt-pseudo-gradient``). Reported per arm: the final eval loss of the global weights (one value:
-θ is bit-identical on every peer, checked), its ratio to the honest-only ``mean`` run, and the number of
-``contribution_excluded`` events. The ``scale:1000 / no bound`` arm turns validation off (``outer.norm_bound=0``)
-to show what the defence is for. ``train.total_steps`` is rounds x H: the inner lr decays over the run.
+round (``--debug-corrupt-pseudo-gradient``; ``inverse:9.9`` sends its own pseudo-gradient negated and 9.9x as
+large: just under the norm bound, the insider's best guess of the negated honest direction). Reported per arm:
+the final eval loss of the global weights (one value: θ is bit-identical on every peer, checked), its ratio to
+the honest-only ``mean`` run, and the number of ``contribution_excluded`` events. The ``scale:1000 / no bound``
+arm turns validation off (``outer.norm_bound=0``) to show what the defence is for. ``train.total_steps`` is
+rounds x H: the inner lr decays over the run.
 
-Last line: ``loss_over_honest=<the largest ratio over the defended arms>``.
+The line before the last: ``loss_over_honest=<the largest ratio over the defended arms>``; the last line:
+``worst_loss_over_honest=<the largest ratio over the attack arms run with the default settings>`` (``/ mean``).
 
-Usage: ``python -m benchmarks.attacks`` (10 arms, ~1 min each on 2 cores); ``--quick`` runs 4 of them.
+Usage: ``python -m benchmarks.attacks`` (13 arms, ~1 min each on 2 cores); ``--quick`` runs 5 of them.
 """
 
 from __future__ import annotations
@@ -33,8 +36,11 @@ ARMS = [("honest / mean", "", []),
         ("random / trimmed_mean", "random", ["outer.aggregation=trimmed_mean"]),
         ("random / centered_clip", "random", ["outer.aggregation=centered_clip"]),
         ("honest / trimmed_mean", "", ["outer.aggregation=trimmed_mean"]),
-        ("honest / centered_clip", "", ["outer.aggregation=centered_clip"])]
-QUICK = {"honest / mean", "nan / mean", "scale:1000 / no bound", "random / centered_clip"}
+        ("honest / centered_clip", "", ["outer.aggregation=centered_clip"]),
+        ("inverse:9.9 / mean", "inverse:9.9", []),
+        ("inverse:9.9 / trimmed_mean", "inverse:9.9", ["outer.aggregation=trimmed_mean"]),
+        ("inverse:9.9 / centered_clip", "inverse:9.9", ["outer.aggregation=centered_clip"])]
+QUICK = {"honest / mean", "nan / mean", "scale:1000 / no bound", "random / centered_clip", "inverse:9.9 / mean"}
 COMMON = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000", "--set", "swarm.matchmaking_time=5.0",
           "--set", "swarm.request_timeout=2.0", "--set", "train.threads=1", "--set", "swarm.min_peers=4"]
 
@@ -84,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--h", type=int, default=20, help="inner steps per round")
-    parser.add_argument("--quick", action="store_true", help="4 arms instead of 10")
+    parser.add_argument("--quick", action="store_true", help="5 arms instead of 13")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="attacks-"))
     arms = [a for a in ARMS if not args.quick or a[0] in QUICK]
@@ -99,6 +105,9 @@ def main() -> None:
         print(f"| {name} | {r['loss']:.4f} | {r['loss'] / honest:.3f} | {r['excluded']} |")
     defended = [r["loss"] / honest for name, r in results.items() if "no bound" not in name]
     print(f"loss_over_honest={max(defended):.4f}")
+    defaults = [r["loss"] / honest for name, r in results.items() if name.endswith("/ mean") and
+                not name.startswith("honest")]  # every attack arm run with the default settings
+    print(f"worst_loss_over_honest={max(defaults):.4f}")
 
 
 if __name__ == "__main__":

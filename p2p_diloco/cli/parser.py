@@ -84,7 +84,7 @@ def _add_join_parser(sub) -> None:
                            "our state (docs/security.md)")
     join.add_argument("--debug-step-delay", type=float, metavar="SECONDS",
                       help="test only: sleep this long after every inner step (a slow peer)")
-    join.add_argument("--debug-corrupt-pseudo-gradient", metavar="nan|scale:<k>|random",
+    join.add_argument("--debug-corrupt-pseudo-gradient", metavar="nan|scale:<k>|inverse:<k>|random",
                       help="test only: a malicious peer that sends a corrupted pseudo-gradient every round")
     _add_config_args(join)
 

@@ -26,7 +26,7 @@ import torch
 
 METHODS = ("mean", "trimmed_mean", "centered_clip")
 RANDOM_RMS = 5.0
-_CORRUPTION_FORMS = "'nan', 'scale:<k>' (finite k) or 'random'"
+_CORRUPTION_FORMS = "'nan', 'scale:<k>' (finite k), 'inverse:<k>' (finite k > 0) or 'random'"
 
 
 class AggregationError(RuntimeError):
@@ -246,20 +246,21 @@ def aggregate(contributions: Sequence[Contribution], policy: Policy, numel: int,
 
 
 def parse_corruption(mode: str) -> tuple[str, float]:
-    """Parse a corruption mode: ``"nan"``, ``"scale:<k>"`` or ``"random"`` into ``(kind, k)``.
+    """Parse a corruption mode: ``"nan"``, ``"scale:<k>"``, ``"inverse:<k>"`` or ``"random"`` into ``(kind, k)``.
 
     Raises:
         ValueError: Any other form, or a non-finite / unparsable ``k``.
     """
     if mode in ("nan", "random"):
         return mode, 0.0
-    if isinstance(mode, str) and mode.startswith("scale:"):
-        try:
-            k = float(mode[len("scale:"):])
-        except ValueError:
-            k = math.nan
-        if math.isfinite(k):
-            return "scale", k
+    for kind in ("scale", "inverse"):
+        if isinstance(mode, str) and mode.startswith(kind + ":"):
+            try:
+                k = float(mode[len(kind) + 1:])
+            except ValueError:
+                k = math.nan
+            if math.isfinite(k) and (kind == "scale" or k > 0):
+                return kind, k
     raise ValueError(f"bad corruption mode {mode!r}: expected {_CORRUPTION_FORMS}")
 
 
@@ -268,8 +269,10 @@ def corrupt_(tensors: Sequence[torch.Tensor], mode: str, generator: torch.Genera
 
     Args:
         tensors: The tensors to corrupt (floating point).
-        mode: ``"nan"`` fills with NaN; ``"scale:<k>"`` multiplies by k; ``"random"`` replaces with Gaussian noise
-            whose RMS is :data:`RANDOM_RMS` x the tensor's own RMS (1e-3 if that is 0).
+        mode: ``"nan"`` fills with NaN; ``"scale:<k>"`` multiplies by k; ``"inverse:<k>"`` multiplies by -k (an
+            insider's best guess of the honest direction is its own pseudo-gradient: it sends the opposite, k x
+            as large, just under the norm bound for k < ``outer.norm_bound``); ``"random"`` replaces with Gaussian
+            noise whose RMS is :data:`RANDOM_RMS` x the tensor's own RMS (1e-3 if that is 0).
         generator: Source of the noise for ``"random"``.
     """
     kind, k = parse_corruption(mode)
@@ -279,6 +282,8 @@ def corrupt_(tensors: Sequence[torch.Tensor], mode: str, generator: torch.Genera
                 t.fill_(math.nan)
             elif kind == "scale":
                 t.mul_(k)
+            elif kind == "inverse":
+                t.mul_(-k)
             elif t.numel() > 0:
                 target = RANDOM_RMS * (rms(t) or 1e-3)
                 noise = torch.randn(t.shape, generator=generator, dtype=torch.float32, device=t.device)

@@ -171,7 +171,8 @@ def test_parse_corruption():
     assert parse_corruption("random") == ("random", 0.0)
     assert parse_corruption("scale:1000") == ("scale", 1000.0)
     assert parse_corruption("scale:-0.5") == ("scale", -0.5)
-    for bad in ("scale:abc", "scale:inf", "scale:nan", "scale:", "foo", ""):
+    assert parse_corruption("inverse:9.9") == ("inverse", 9.9)
+    for bad in ("scale:abc", "scale:inf", "scale:nan", "scale:", "foo", "", "inverse:0", "inverse:-1", "inverse:"):
         with pytest.raises(ValueError, match="scale:<k>"):
             parse_corruption(bad)
 
@@ -183,6 +184,9 @@ def test_corrupt_nan_and_scale():
     a, b = torch.ones(4), torch.arange(3.0)
     corrupt_([a, b], "scale:-2", torch.Generator())
     assert torch.equal(a, torch.full((4,), -2.0)) and torch.equal(b, torch.tensor([0.0, -2.0, -4.0]))
+    a = torch.ones(4)
+    corrupt_([a], "inverse:9.9", torch.Generator())
+    assert torch.equal(a, torch.full((4,), -9.9))
 
 
 def test_corrupt_random():
