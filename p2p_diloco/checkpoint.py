@@ -34,7 +34,8 @@ FORMAT = 3  # 3: plain values only (the numpy RNG state as a list), read with we
 OLD_FORMATS = {1, 2}
 THETA_ONLY = {1}  # formats whose digest covers theta only
 # what formats 1 and 2 need beyond weights_only's tensors and containers: numpy's RNG key array (no code runs)
-_NUMPY_ARRAY = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+# (the reconstructor is taken from an array, not from numpy's private module path, which numpy 2 renamed)
+_NUMPY_ARRAY = [np.ndarray(0).__reduce__()[0], np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 _NAME = re.compile(r"round-(\d{8,})\.pt")
 
 

@@ -9,7 +9,7 @@ import collections
 import socket
 import struct
 
-from .fastpath import _INDICES, MAGIC, FastAllReduce, FastPathError, _recv_into, _tune
+from .fastpath import INDICES, MAGIC, FastAllReduce, FastPathError, recv_into, tune
 
 # What a stranger can hold on our data port (issue 18): a connection is *pending* from its accept until a
 # registered all-reduce of ours takes it (its header names a group we are in). Pending connections are capped in
@@ -61,7 +61,7 @@ class DataServer:
                 conn.close()
                 continue
             self.pending[address] += 1
-            _tune(conn)
+            tune(conn)
             task = asyncio.ensure_future(self._on_connection(conn, address))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
@@ -84,13 +84,13 @@ class DataServer:
     async def _on_connection(self, conn: socket.socket, address: str) -> None:
         key, allreduce, pending = None, None, True
         try:
-            header = bytearray(len(MAGIC) + 16 + _INDICES.size)
+            header = bytearray(len(MAGIC) + 16 + INDICES.size)
             # the whole header within header_timeout (a deadline in total, not between bytes: slow-loris)
-            await asyncio.wait_for(_recv_into(conn, memoryview(header), self.header_timeout), self.header_timeout)
+            await asyncio.wait_for(recv_into(conn, memoryview(header), self.header_timeout), self.header_timeout)
             if header[:len(MAGIC)] != MAGIC:
                 return
             key = bytes(header[len(MAGIC):len(MAGIC) + 16])
-            sender, reducer, weight = _INDICES.unpack(header[len(MAGIC) + 16:])
+            sender, reducer, weight = INDICES.unpack(header[len(MAGIC) + 16:])
             allreduce = await asyncio.wait_for(asyncio.shield(self._slot(key)), self.register_timeout)
             self._release(address)  # one of our groups took it: no longer a stranger's connection
             pending = False

@@ -35,7 +35,7 @@ from ..outer.aggregation import Contribution, Policy, combine, validate
 from ..outer.codecs import Codec
 
 MAGIC = b"P2PDILOCO1"
-_INDICES = struct.Struct("!HHd")
+INDICES = struct.Struct("!HHd")
 _LEN = struct.Struct("!Q")
 REDUCE_CHUNK = 2**18  # values validated and combined at once (1 MiB of fp32, as the libp2p parts by default)
 
@@ -59,7 +59,7 @@ def group_key(group_id: bytes) -> bytes:
     return hashlib.sha256(b"p2p-diloco data plane" + group_id).digest()[:16]
 
 
-def _tune(sock: socket.socket) -> None:
+def tune(sock: socket.socket) -> None:
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -76,7 +76,7 @@ async def _ready(sock: socket.socket, write: bool, timeout: float) -> None:
         remove(fd)
 
 
-async def _recv_into(sock: socket.socket, view: memoryview, timeout: float, touch=lambda: None) -> None:
+async def recv_into(sock: socket.socket, view: memoryview, timeout: float, touch=lambda: None) -> None:
     """Fill ``view`` from ``sock``, with at most ``timeout`` seconds between two arrivals: a frozen or dead peer
     is detected in seconds, while a slow but live link can take as long as it needs (the all-reduce timeout
     bounds the total).
@@ -111,11 +111,11 @@ async def _send_all(sock: socket.socket, view: memoryview, timeout: float) -> No
 async def _recv_frame(sock: socket.socket, into: torch.Tensor, timeout: float, touch=lambda: None) -> None:
     """One frame (``u64 length | bytes``) whose length must be exactly ``into.numel()`` bytes."""
     head = bytearray(_LEN.size)
-    await _recv_into(sock, memoryview(head), timeout, touch)
+    await recv_into(sock, memoryview(head), timeout, touch)
     (n,) = _LEN.unpack(head)
     if n != into.numel():
         raise FastPathError(f"frame of {n} bytes, expected {into.numel()}")
-    await _recv_into(sock, _view(into), timeout, touch)
+    await recv_into(sock, _view(into), timeout, touch)
 
 
 def _view(t: torch.Tensor) -> memoryview:
@@ -126,7 +126,7 @@ def _view(t: torch.Tensor) -> memoryview:
 async def _connect(address: str, timeout: float) -> socket.socket:
     host, port = address.rsplit(":", 1)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    _tune(sock)
+    tune(sock)
     try:
         await asyncio.wait_for(asyncio.get_event_loop().sock_connect(sock, (host, int(port))), timeout)
     except BaseException:
@@ -256,7 +256,7 @@ class FastAllReduce:
             raise FastPathError(f"cannot connect to member {j} at {self.addresses[j]}: {type(e).__name__}") from None
         try:
             payload = _view(self.codec.encode(self._slice(self.flat, j)))
-            header = MAGIC + self.key + _INDICES.pack(self.index, j, self.weight) + _LEN.pack(len(payload))
+            header = MAGIC + self.key + INDICES.pack(self.index, j, self.weight) + _LEN.pack(len(payload))
             await _send_all(sock, memoryview(header), self.chunk_timeout)
             step = 2**14 if self.part_delay else len(payload) or 1
             for start in range(0, len(payload), step):
@@ -266,7 +266,7 @@ class FastAllReduce:
             self.bytes_sent += len(payload) + _LEN.size
             # The reducer answers only once every member's part is in: allow for the slowest sender's transfer.
             status = bytearray(1)
-            await _recv_into(sock, memoryview(status), self.wait_timeout)
+            await recv_into(sock, memoryview(status), self.wait_timeout)
             if status != b"\x00":
                 raise FastPathError(f"reducer {j} refused our part")
             data = self._receive_buffer(j)

@@ -139,14 +139,14 @@ def test_a_reducer_that_leaves_right_after_its_run_has_answered_everyone(monkeyp
     have its average. Member 2 reads its answers 0.5 s late, so the others' answers to it (16 MB each, more than
     a socket buffer holds) are still being written when their own all-reduces are done."""
     slow_reader = contextvars.ContextVar("slow_reader", default=False)
-    recv_into = fastpath._recv_into
+    recv_into = fastpath.recv_into
 
     async def late_answers(sock, view, timeout, touch=lambda: None):
         if slow_reader.get() and len(view) == 1:  # the status byte before an answer
             await asyncio.sleep(0.5)
         await recv_into(sock, view, timeout, touch)
 
-    monkeypatch.setattr(fastpath, "_recv_into", late_answers)
+    monkeypatch.setattr(fastpath, "recv_into", late_answers)
 
     async def main():
         n = 3
