@@ -62,6 +62,15 @@ def expected_mean(peers: int, mb: float, seed: int) -> list:
     return [t.div_(peers) for t in total]
 
 
+def expected_aggregate(peers: int, mb: float, seed: int) -> list:
+    """What our averager's reducers compute from every peer's payload with the default ``outer.aggregation``
+    (trimmed_mean: coordinate-wise, so reducing slice by slice gives the same values)."""
+    from p2p_diloco.outer.aggregation import Contribution, Policy, combine
+
+    payloads = [make_tensors(rank, mb, seed) for rank in range(peers)]
+    return [combine([Contribution(rank, t, 1.0) for rank, t in enumerate(ts)], Policy()) for ts in zip(*payloads)]
+
+
 def max_error(tensors, reference) -> float:
     """Largest absolute difference between two lists of tensors."""
     return max(float((a - b).abs().max()) for a, b in zip(tensors, reference))
@@ -194,6 +203,7 @@ class Worker:
     verify: bool
     originals: list = field(default_factory=list)
     reference: list | None = None  # the exact mean; only rank 0 holds it (verification is rank 0's job)
+    aggregate: list | None = None  # what our reducers compute with the default aggregation (rank 0 too)
     dht: object = None
     swarm: object = None  # the DHT with Swarm's blob methods (the commit step)
     averager: object = None
@@ -212,6 +222,7 @@ class Worker:
         self.originals = make_tensors(self.rank, self.mb, self.seed)
         if self.verify and self.rank == 0:
             self.reference = expected_mean(self.peers, self.mb, self.seed)
+            self.aggregate = expected_aggregate(self.peers, self.mb, self.seed)
 
     def cmd_gloo(self, port: int, repeats: int) -> dict:
         """Time ``repeats`` gloo all-reduces of the payload (one all_reduce per tensor, summed)."""
@@ -251,7 +262,7 @@ class Worker:
         identity, options = dht_options()
         self.dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                 initial_peers=initial_peers or None, **options)
-        self.swarm = BareSwarm(self.dht, identity)
+        self.swarm, self.identity = BareSwarm(self.dht, identity), identity
         return {"maddrs": [str(m) for m in self.dht.get_visible_maddrs()], "dht_pid": self.dht.pid,
                 "peer_id": identity.peer_id}
 
@@ -284,12 +295,16 @@ class Worker:
             common["start"] = False
             self.averager = ExactAverager(tensors, self.dht, allreduce_timeout=60, next_chunk_timeout=10,
                                           part_size_bytes=2**20, compression=compression_for(codec), **common)
-            if transport == "tcp":
+            if transport in ("tcp", "tcp+enc"):  # as Averagers does: a data port and our signed entry
                 from p2p_diloco.outer.codecs import get_codec
+                from p2p_diloco.swarm.data_auth import DataKey, DataPeer, advertise
                 from p2p_diloco.swarm.fastpath import listen_socket
 
-                self.averager.codec, self.averager.data_socket = get_codec(codec), listen_socket("127.0.0.1")
-                self.gather = {"data": f"127.0.0.1:{self.averager.data_socket.getsockname()[1]}"}
+                av = self.averager
+                av.codec, av.data_socket, av.data_key = get_codec(codec), listen_socket("127.0.0.1"), DataKey()
+                me = DataPeer(self.identity.peer_id, f"127.0.0.1:{av.data_socket.getsockname()[1]}",
+                              av.data_key.public, encrypt=transport == "tcp+enc")
+                self.gather = {"data": advertise(self.identity.sign, self.identity.public_key, av.prefix, me)}
             self.averager.run_in_background(await_ready=True, timeout=60)
         self.kind = kind if kind == "stock" else f"{codec}/{transport}"
         return {"averager_pid": self.averager.pid}
@@ -321,7 +336,7 @@ class Worker:
             record.update(bytes_sent=result["bytes_sent"], bytes_received=result["bytes_received"])
         if self.reference is not None:
             with av.get_tensors() as tensors:
-                record["max_err"] = max_error(tensors, self.reference)
+                record["max_err"] = max_error(tensors, self.reference if self.kind == "stock" else self.aggregate)
         self.timings.append(record)
         return record
 

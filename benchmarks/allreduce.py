@@ -11,8 +11,9 @@ per peer runs all methods in sequence (imports and the DHT start once), driven b
 2. stock hivemind: ``DecentralizedAverager`` (default codec and part size) on each peer's ``hivemind.DHT``.
 3. ours: ``ExactAverager`` with ``compression_for(codec)`` for codec in none (fp32), fp16, bf16, int8, int4, on
    each transport: ``ours:<codec>`` = libp2p streams through p2pd, ``ours:<codec>/tcp`` = the direct-TCP data
-   plane (``swarm/fastpath.py``, the default ``swarm.transport``); ``set_round_params`` gets a fresh 24-bit group
-   key before every step, so no two steps can match each other.
+   plane (``swarm/fastpath.py``, the default ``swarm.transport``, each member authenticated: data_auth.py), and
+   ``ours:none/tcp+enc`` the same encrypted (``swarm.encrypt_data``); ``set_round_params`` gets a fresh 24-bit
+   group key before every step, so no two steps can match each other.
 
 For 2 and 3 a new averager is started per method (not timed). Before each step every worker restores its original
 tensors (not timed); the parent gives all workers the same wall-clock start time, they call ``step(wait=False,
@@ -24,7 +25,8 @@ per-rank median over repeats. MB/s = payload MB / data s; ``vs gloo`` = data s /
 sent/peer`` = payload bytes our averager counts as sent (mean over peers); ``CPU s/peer`` = CPU seconds of all of
 a peer's processes (main, DHT, averager, p2pd) during one whole step (gloo: its process over the timed loop), mean
 over peers and repeats, and ``p2pd %`` its share in p2pd. A failed step is printed and counted, and that repeat is
-retried once (``retried``); ``max err`` is rank 0's max |result - exact mean| (``--no-verify`` skips it). Worker
+retried once (``retried``); ``max err`` is rank 0's max |result - exact mean| (ours: - the default aggregation of
+the payloads, ``trimmed_mean``; ``--no-verify`` skips it). Worker
 logs (stderr) and ``timings_n<N>.json`` (every worker's raw timings) go to ``--out-dir``.
 
 Limits: one machine, loopback only (no latency, no bandwidth limit but CPU); N peers (each a python process, a DHT
@@ -142,7 +144,7 @@ def run_averager(peers: list[Peer], opts: Options, kind: str, codec: str | None,
     default path (``none``/``tcp``) each successful step is followed by a commit step among ``ids``."""
     started = call_all(peers, 120, cmd="averager", kind=kind, codec=codec, transport=transport)
     roles[started[1]["averager_pid"] if len(started) > 1 else -1] = "averager"
-    method = "hivemind" if kind == "stock" else f"ours:{codec}" + ("/tcp" if transport == "tcp" else "")
+    method = "hivemind" if kind == "stock" else f"ours:{codec}" + ("" if transport == "p2p" else f"/{transport}")
     row, done, commits = Row(len(peers), method), [], []
     for k in range(opts.repeats):
         for attempt in (0, 1):
@@ -194,7 +196,8 @@ def run_swarm(opts: Options, n: int, env: dict, roles: dict) -> list[Row]:
         roles[others[0]["dht_pid"] if others else -1] = "dht"
         keys = iter(range(1, 2**24))
         methods = ([("stock", None, "p2p")] if opts.stock else []) + [
-            ("exact", c, t) for t in ("p2p", "tcp") for c in opts.codecs]
+            ("exact", c, t) for t in ("p2p", "tcp") for c in opts.codecs] + [
+            ("exact", "none", "tcp+enc")] * ("none" in opts.codecs and not opts.profile)
         for kind, codec, transport in methods:
             rows.append(run_averager(peers, opts, kind, codec, keys, roles, transport, ids))
             print(f"  N={n} {rows[-1].method} data {fmt(rows[-1].data_s)} s total {fmt(rows[-1].total_s)} s",

@@ -9,11 +9,13 @@ the honest-only ``mean`` run, and the number of ``contribution_excluded`` events
 arm turns validation off (``outer.norm_bound=0``) to show what the defence is for. ``train.total_steps`` is
 rounds x H: the inner lr decays over the run.
 
-The line before the last: ``loss_over_honest=<the largest ratio over the defended arms>``; the last line:
-``worst_loss_over_honest=<the largest ratio over the attack arms run with the default settings>`` (``/ mean``).
+Every arm names its ``outer.aggregation`` (the default is ``trimmed_mean``); the baseline of every ratio is the
+honest-only ``mean`` run (the plain average: the cost of a robust method counts too).
 
-Usage: ``python -m benchmarks.attacks`` (13 arms, about 30 s each on 2 cores: 6 min 20 s in all); ``--quick`` runs
-5 of them.
+The line before the last: ``loss_over_honest=<the largest ratio over the defended arms>``; the last line:
+``worst_loss_over_honest=<the largest ratio over the attack arms run with the default settings>``.
+
+Usage: ``python -m benchmarks.attacks`` (14 arms, about 30 s each on 2 cores); ``--quick`` runs 5 of them.
 """
 
 from __future__ import annotations
@@ -24,24 +26,27 @@ import time
 from pathlib import Path
 
 from p2p_diloco.metrics import read_events
+from p2p_diloco.outer.aggregation import Policy
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError, stop_all
 
-# (name, corruption of peer 3 or "", --set items for every peer)
-ARMS = [("honest / mean", "", []),
-        ("nan / mean", "nan", []),
-        ("scale:1000 / no bound", "scale:1000", ["outer.norm_bound=0"]),
-        ("scale:1000 / mean", "scale:1000", []),
-        ("scale:1000 / centered_clip", "scale:1000", ["outer.aggregation=centered_clip"]),
-        ("random / mean", "random", []),
-        ("random / trimmed_mean", "random", ["outer.aggregation=trimmed_mean"]),
-        ("random / centered_clip", "random", ["outer.aggregation=centered_clip"]),
-        ("honest / trimmed_mean", "", ["outer.aggregation=trimmed_mean"]),
-        ("honest / centered_clip", "", ["outer.aggregation=centered_clip"]),
-        ("inverse:9.9 / mean", "inverse:9.9", []),
-        ("inverse:9.9 / trimmed_mean", "inverse:9.9", ["outer.aggregation=trimmed_mean"]),
-        ("inverse:9.9 / centered_clip", "inverse:9.9", ["outer.aggregation=centered_clip"])]
-QUICK = {"honest / mean", "nan / mean", "scale:1000 / no bound", "random / centered_clip", "inverse:9.9 / mean"}
+DEFAULT = Policy().method  # outer.aggregation's default: trimmed_mean
+
+
+def _arm(corruption: str, method: str) -> tuple[str, str, list[str]]:
+    """(name, corruption of peer 3 or "", --set items for every peer); ``method`` "no bound": the default method
+    with validation off."""
+    sets = ["outer.norm_bound=0"] if method == "no bound" else [f"outer.aggregation={method}"]
+    return f"{corruption or 'honest'} / {method}", corruption, sets
+
+
+ARMS = [_arm(corruption, method) for corruption, method in [
+    ("", "mean"), ("", DEFAULT), ("", "centered_clip"),
+    ("nan", DEFAULT), ("scale:1000", "no bound"), ("scale:1000", DEFAULT), ("scale:1000", "mean"),
+    ("scale:1000", "centered_clip"), ("random", DEFAULT), ("random", "mean"), ("random", "centered_clip"),
+    ("inverse:9.9", DEFAULT), ("inverse:9.9", "mean"), ("inverse:9.9", "centered_clip")]]
+QUICK = {"honest / mean", f"nan / {DEFAULT}", "scale:1000 / no bound", f"random / {DEFAULT}",
+         f"inverse:9.9 / {DEFAULT}"}
 COMMON = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000", "--set", "swarm.matchmaking_time=5.0",
           "--set", "swarm.request_timeout=2.0", "--set", "train.threads=1", "--set", "swarm.min_peers=4"]
 
@@ -91,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--h", type=int, default=20, help="inner steps per round")
-    parser.add_argument("--quick", action="store_true", help="5 arms instead of 13")
+    parser.add_argument("--quick", action="store_true", help="5 arms instead of 14")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="attacks-"))
     arms = [a for a in ARMS if not args.quick or a[0] in QUICK]
@@ -106,7 +111,7 @@ def main() -> None:
         print(f"| {name} | {r['loss']:.4f} | {r['loss'] / honest:.3f} | {r['excluded']} |")
     defended = [r["loss"] / honest for name, r in results.items() if "no bound" not in name]
     print(f"loss_over_honest={max(defended):.4f}")
-    defaults = [r["loss"] / honest for name, r in results.items() if name.endswith("/ mean") and
+    defaults = [r["loss"] / honest for name, r in results.items() if name.endswith(f"/ {DEFAULT}") and
                 not name.startswith("honest")]  # every attack arm run with the default settings
     print(f"worst_loss_over_honest={max(defaults):.4f}")
 

@@ -131,10 +131,11 @@ class OuterConfig:
     sharding: Sharding = "rank0"
     shards: int = 8
     # How each reducer combines the contributions to its slice (p2p_diloco/outer/aggregation.py; docs/security.md):
-    # mean | trimmed_mean | centered_clip. Every method first leaves out non-finite contributions and those whose
+    # trimmed_mean (default: one insider in a group of 3 or more cannot steer it) | centered_clip | mean (token
+    # weighted, not robust to an insider). Every method first leaves out non-finite contributions and those whose
     # RMS exceeds norm_bound x the median (in a pair: x the reducer's own); norm_bound also caps a peer's weight at
-    # norm_bound x the median weight. norm_bound = 0 turns both off.
-    aggregation: Aggregation = "mean"
+    # the median weight. norm_bound = 0 turns both off.
+    aggregation: Aggregation = "trimmed_mean"
     norm_bound: float = 10.0
     trim: float = 0.25  # trimmed_mean: the fraction of contributions cut at each end of every coordinate
 
@@ -191,7 +192,9 @@ class SwarmConfig:
     straggler_floor: float = 30.0  # an adaptive straggler wait is never shorter than this
     state_timeout: float = 60.0  # downloading state from a donor
     part_size_bytes: int = 2**20
-    transport: Transport = "tcp"  # all-reduce bytes: "tcp" = direct sockets (fast, unencrypted), "p2p" = libp2p streams
+    # all-reduce bytes: "tcp" = direct sockets, authenticated per member (fast), "p2p" = libp2p streams
+    transport: Transport = "tcp"
+    encrypt_data: bool = False  # "tcp": also encrypt the bytes (ChaCha20-Poly1305); one member asking is enough
     data_port: int = 0  # TCP port of the direct data plane (0 = any free port)
     # A private run: only these peers (base58 peer ids, or files of them, one per line, '#' comments) may match
     # with us, download our state, or count as live peers; empty = an open swarm. See docs/security.md.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -40,12 +40,12 @@ class Policy:
     Attributes:
         method: One of :data:`METHODS`.
         norm_bound: A contribution whose RMS exceeds ``norm_bound`` x the reference RMS is excluded, and each weight
-            is capped at ``norm_bound`` x the median weight; 0 turns both off.
+            is capped at the median weight; 0 turns both off.
         trim: ``trimmed_mean``: fraction of the contributions cut at each end of every coordinate.
         clip_iters: ``centered_clip``: number of clipping iterations.
     """
 
-    method: str = "mean"
+    method: str = "trimmed_mean"
     norm_bound: float = 10.0
     trim: float = 0.25
     clip_iters: int = 3
@@ -92,8 +92,8 @@ def _basic_check(c: Contribution, numel: int) -> str | None:
     return None
 
 
-def validate(contributions: Sequence[Contribution], policy: Policy, numel: int,
-             own: int | None = None) -> tuple[list[Contribution], dict[int, str]]:
+def validate(contributions: Sequence[Contribution], policy: Policy, numel: int, own: int | None = None,
+             known_rms: Mapping[int, float] | None = None) -> tuple[list[Contribution], dict[int, str]]:
     """Split the contributions into the kept ones and the excluded ones.
 
     Rules, in order (the first failing one is the reason): the tensor is 1-D with ``numel`` float32 values; the
@@ -111,6 +111,8 @@ def validate(contributions: Sequence[Contribution], policy: Policy, numel: int,
         policy: The aggregation policy.
         numel: The number of values of this part.
         own: The ``sender`` of the reducer's own contribution (None: the reducer sent none, or is not known).
+        known_rms: ``{sender: rms(tensor)}`` computed ahead (the data plane does it as each contribution arrives,
+            off the sync's critical path); the others are computed here.
 
     Returns:
         The kept contributions in input order, and ``{sender: reason}`` for the excluded ones.
@@ -126,7 +128,8 @@ def validate(contributions: Sequence[Contribution], policy: Policy, numel: int,
     # Rule 3 from the RMS, accumulated in float64: it is finite exactly when every value is (a float32 squared
     # cannot overflow a double), and one pass of it costs a quarter of torch.isfinite(t).all() (the sync's hot
     # path: issue 18, point 6).
-    norms = [rms(c.tensor) for c in passed]
+    known_rms = known_rms or {}
+    norms = [known_rms[c.sender] if c.sender in known_rms else rms(c.tensor) for c in passed]
     for c, r in zip(passed, norms):
         if not math.isfinite(r):
             excluded[c.sender] = "non-finite values"
@@ -145,27 +148,56 @@ def validate(contributions: Sequence[Contribution], policy: Policy, numel: int,
     return kept, excluded
 
 
-def _capped_weights(kept: Sequence[Contribution], policy: Policy, factor: float | None = None) -> torch.Tensor:
-    """Float64 weights, each capped at ``factor`` (default ``norm_bound``) x the lower median weight (if
-    ``norm_bound > 0``)."""
+def _capped_weights(kept: Sequence[Contribution], policy: Policy) -> torch.Tensor:
+    """Float64 weights, each capped at the lower median weight (if ``norm_bound > 0``).
+
+    The weights are self-reported token counts: a cap any higher lets one peer buy a majority share of a pair
+    (a cap of f x the other's weight gives it f / (f + 1)) or, above 2 x, of a group of three. So a weight counts
+    only downwards: a peer that trained fewer tokens than the median weighs less, none weighs more."""
     weights = [float(c.weight) for c in kept]
     if policy.norm_bound > 0:
-        cap = (policy.norm_bound if factor is None else factor) * _lower_median(weights)
+        cap = _lower_median(weights)
         weights = [min(w, cap) for w in weights]
     return torch.tensor(weights, dtype=torch.float64, device=kept[0].tensor.device)
 
 
-def _trimmed_mean(stack: torch.Tensor, trim: float) -> torch.Tensor:
-    """Coordinate-wise trimmed mean (Yin et al. 2018, https://arxiv.org/abs/1803.01498).
+def _trimmed_mean(tensors: Sequence[torch.Tensor], trim: float) -> torch.Tensor:
+    """Coordinate-wise trimmed mean (Yin et al. 2018, https://arxiv.org/abs/1803.01498), as float32.
 
     Unweighted on purpose: with n >= 3 a weighted trim has no clean definition, and the weights are exactly what an
     attacker controls. With n <= 2 nothing is trimmed (plain unweighted mean).
+
+    On the sync's hot path (it is the default), so without a float64 stack or a sort where it can. Groups of 3
+    and 4 (one value cut at each end) take a sorting network of coordinate-wise min and max, which is exact: the
+    median of 3, and the float64 mean of the middle two of 4 (a third of the cost of the general path for one cut,
+    the float64 sum minus the max and the min); more cuts are a float32 sort (exact) and a float64 sum of the
+    middle. Every path gives the correctly rounded float32 of the sorted definition's float64 mean, but for the
+    general one-cut path, whose float64 sum can round when the values' magnitudes differ by more than 2^29.
     """
-    n = stack.shape[0]
-    k = max(1, int(trim * n)) if n >= 3 else 0
-    k = min(k, (n - 1) // 2)
-    ordered = torch.sort(stack, dim=0).values
-    return ordered[k:n - k].mean(dim=0)
+    n = len(tensors)
+    k = min(max(1, int(trim * n)), (n - 1) // 2) if n >= 3 else 0
+    if k == 0:
+        out = tensors[0].to(torch.float64)
+        for t in tensors[1:]:
+            out.add_(t)
+        return out.div_(n).to(torch.float32)
+    if k == 1 and n == 3:
+        a, b, c = tensors
+        return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
+    if k == 1 and n == 4:
+        a, b, c, d = tensors
+        second = torch.maximum(torch.minimum(a, b), torch.minimum(c, d))  # the two middle values of every coordinate
+        third = torch.minimum(torch.maximum(a, b), torch.maximum(c, d))
+        return second.to(torch.float64).add_(third).mul_(0.5).to(torch.float32)
+    if k == 1:
+        total, high, low = tensors[0].to(torch.float64), tensors[0].clone(), tensors[0].clone()
+        for t in tensors[1:]:
+            total.add_(t)
+            torch.maximum(high, t, out=high)
+            torch.minimum(low, t, out=low)
+        return total.sub_(high).sub_(low).div_(n - 2).to(torch.float32)
+    ordered = torch.sort(torch.stack(list(tensors)), dim=0).values
+    return (ordered[k:n - k].sum(dim=0, dtype=torch.float64) / (n - 2 * k)).to(torch.float32)
 
 
 def _centered_clip(stack: torch.Tensor, weights: torch.Tensor, iters: int) -> torch.Tensor:
@@ -193,11 +225,11 @@ def _centered_clip(stack: torch.Tensor, weights: torch.Tensor, iters: int) -> to
 def combine(kept: Sequence[Contribution], policy: Policy) -> torch.Tensor:
     """Combine validated contributions into one new 1-D float32 tensor (inputs are left untouched).
 
-    ``mean`` is a running fp32 sum (the per-round hot path); the robust methods compute in float64. Weights are
-    capped at ``norm_bound`` x the lower median weight for ``mean`` and at the lower median weight for
-    ``centered_clip`` (when ``norm_bound > 0``) so that no peer can claim a huge token count to dominate.
-    ``mean`` is not robust to an insider: one contribution just under the norm bound, in the negated honest
-    direction, reverses it (docs/security.md).
+    ``mean`` is a running fp32 sum; ``trimmed_mean`` (the default: on every round's hot path) accumulates in
+    float64 without sorting where it can; ``centered_clip`` computes in float64. Weights are capped at the lower
+    median weight for ``mean`` and ``centered_clip`` (when ``norm_bound > 0``) so that no peer can claim a huge
+    token count to dominate. ``mean`` is not robust to an insider: one contribution just under the norm bound, in
+    the negated honest direction, reverses it (docs/security.md, ``benchmarks/attacks.py``).
 
     Args:
         kept: The contributions to combine (normally the output of :func:`validate`).
@@ -214,21 +246,19 @@ def combine(kept: Sequence[Contribution], policy: Policy) -> torch.Tensor:
         raise AggregationError("no contribution to combine")
     if len(kept) == 1:
         return kept[0].tensor.detach().to(torch.float32).clone()
-    if policy.method == "mean":  # the hot path of every round: a running fp32 sum, as hivemind's reducer does
+    if policy.method == "mean":  # a running fp32 sum, as hivemind's reducer does
         weights = _capped_weights(kept, policy).tolist()
         out = torch.zeros_like(kept[0].tensor, dtype=torch.float32)
         for c, w in zip(kept, weights):
             out.add_(c.tensor.detach(), alpha=w)
         return out.div_(sum(weights))
-    stack = torch.stack([c.tensor.detach().double() for c in kept])
     if policy.method == "trimmed_mean":
-        out = _trimmed_mean(stack, policy.trim)
-    else:
-        # No weight above the median one: the weights are self-reported, and with norm_bound x the median an insider
-        # sending the negated honest direction just under the norm bound reversed the result in groups of 3 and 4
-        # (tests/unit/test_aggregation.py, the "inverse" arm); capped at the median it cannot.
-        out = _centered_clip(stack, _capped_weights(kept, policy, factor=1.0), policy.clip_iters)
-    return out.to(torch.float32)
+        return _trimmed_mean([c.tensor.detach().to(torch.float32) for c in kept], policy.trim)
+    # No weight above the median one: the weights are self-reported, and with norm_bound x the median an insider
+    # sending the negated honest direction just under the norm bound reversed the result in groups of 3 and 4
+    # (tests/unit/test_aggregation.py, the "inverse" arm); capped at the median it cannot.
+    stack = torch.stack([c.tensor.detach().double() for c in kept])
+    return _centered_clip(stack, _capped_weights(kept, policy), policy.clip_iters).to(torch.float32)
 
 
 def aggregate(contributions: Sequence[Contribution], policy: Policy, numel: int,

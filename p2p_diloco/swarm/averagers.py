@@ -25,7 +25,9 @@ from ..errors import RoundFailed, SwarmError
 from .port import AllReduceResult
 from .exact_averager import ExactAverager
 from .compression import compression_for
-from .fastpath import listen_socket
+from .data_auth import DataKey, DataPeer, advertise
+from .identity import Identity
+from .sockets import listen_socket
 from ..protocol.push import push_limit
 
 log = logging.getLogger("p2p_diloco.swarm")
@@ -68,15 +70,17 @@ class Averagers:
         state_providers: ``{key suffix: () -> (metadata, tensors)}`` for peers that download state from us.
         visible_maddrs: this DHT's addresses (the data plane listens on the same host).
         allowed: ``swarm.allowed_peers`` resolved (None: an open swarm).
+        identity: our identity (identity.py): signs our data-plane entry (data_auth.py).
     """
 
     def __init__(self, cfg, dht, groups: dict[str, Sequence[torch.Tensor]],
                  state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]],
-                 visible_maddrs: Callable[[], list[str]], allowed: frozenset[str] | None = None):
+                 visible_maddrs: Callable[[], list[str]], allowed: frozenset[str] | None = None,
+                 identity: Identity | None = None):
         self.cfg, self.sc = cfg, cfg.swarm
         self.keys = list(groups)
         self.list: list[ExactAverager] = []
-        self.addresses: list[str | None] = []
+        self.adverts: list[dict | None] = []  # per averager: our signed data-plane entry, or None (libp2p only)
         self.p2p_only_round = -1
         self._corruption = torch.Generator().manual_seed(cfg.run.seed + 1)  # debug.corrupt_pseudo_gradient only
         prefix = f"{cfg.run.run_id}_{cfg.fingerprint()}"
@@ -95,12 +99,15 @@ class Averagers:
             averager.state_provider = state_providers[key]
             averager.codec = get_codec(cfg.outer.compression)
             averager.policy, averager.allowed = policy_of(cfg), allowed
-            address = None
+            advert = None
             if self.sc.transport == "tcp" and not self.sc.client_mode:  # a client cannot accept data connections:
                 port = self.sc.data_port + n if self.sc.data_port else 0  # its groups use libp2p
                 averager.data_socket, address = self._open_data_plane(port, visible_maddrs)
+                averager.data_key = DataKey()
+                me = DataPeer(identity.peer_id, address, averager.data_key.public, self.sc.encrypt_data)
+                advert = advertise(identity.sign, identity.public_key, averager.prefix, me)
             self.list.append(averager)
-            self.addresses.append(address)
+            self.adverts.append(advert)
             averager.run_in_background(await_ready=True, timeout=self.sc.startup_timeout)
 
     def _open_data_plane(self, port: int, visible_maddrs):
@@ -144,7 +151,7 @@ class Averagers:
         """
         controls = []
         t0 = time.monotonic()
-        for averager, tensors, address in zip(self.list, groups, self.addresses, strict=True):
+        for averager, tensors, advert in zip(self.list, groups, self.adverts, strict=True):
             averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
                                       allreduce_timeout=allreduce_timeout)
             with averager.get_tensors() as buffers:
@@ -152,7 +159,7 @@ class Averagers:
                     buf.copy_(t)
                 if self.cfg.debug.corrupt_pseudo_gradient:  # the security tests' malicious peer
                     corrupt_(buffers, self.cfg.debug.corrupt_pseudo_gradient, self._corruption)
-            mine = dict(gather, data=address) if address and self.p2p_only_round != round_ else gather
+            mine = dict(gather, data=advert) if advert and self.p2p_only_round != round_ else gather
             controls.append(averager.step(gather=mine, weight=float(weight), timeout=look, allow_retries=False,
                                           wait=False))
             gather = {k: gather[k] for k in ("round", "peer") if k in gather}  # the other shards' members need no more

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
-import struct
 
-from .fastpath import INDICES, MAGIC, FastAllReduce, FastPathError, recv_into, tune
+from .data_auth import DataAuthError
+from .fastpath import HEADER_SIZE, MAGIC, FastAllReduce, FastPathError
+from .sockets import recv_into, tune
+
+log = logging.getLogger("p2p_diloco.swarm")
 
 # What a stranger can hold on our data port (issue 18): a connection is *pending* from its accept until a
 # registered all-reduce of ours takes it (its header names a group we are in). Pending connections are capped in
@@ -34,6 +38,7 @@ class DataServer:
         self._handlers: set[asyncio.Task] = set()
         self.pending: collections.Counter[str] = collections.Counter()  # remote address -> pending connections
         self.refused = 0  # connections closed at accept: over a cap
+        self.unauthenticated = 0  # connections dropped because their header was not a member's
 
     async def start(self) -> None:
         self.sock.setblocking(False)
@@ -84,20 +89,21 @@ class DataServer:
     async def _on_connection(self, conn: socket.socket, address: str) -> None:
         key, allreduce, pending = None, None, True
         try:
-            header = bytearray(len(MAGIC) + 16 + INDICES.size)
+            header = bytearray(HEADER_SIZE)
             # the whole header within header_timeout (a deadline in total, not between bytes: slow-loris)
             await asyncio.wait_for(recv_into(conn, memoryview(header), self.header_timeout), self.header_timeout)
             if header[:len(MAGIC)] != MAGIC:
                 return
             key = bytes(header[len(MAGIC):len(MAGIC) + 16])
-            sender, reducer, weight = INDICES.unpack(header[len(MAGIC) + 16:])
             allreduce = await asyncio.wait_for(asyncio.shield(self._slot(key)), self.register_timeout)
-            self._release(address)  # one of our groups took it: no longer a stranger's connection
+            sender = allreduce.authenticate(bytes(header))  # DataAuthError: not a member's, or not its first
+            self._release(address)  # a member of one of our groups: no longer a stranger's connection
             pending = False
-            if reducer != allreduce.index:
-                raise FastPathError(f"part for reducer {reducer} sent to reducer {allreduce.index}")
-            await allreduce.serve(conn, sender, weight)
-        except (asyncio.TimeoutError, OSError, FastPathError, struct.error) as e:
+            await allreduce.serve(conn, sender)
+        except DataAuthError as e:  # someone else's bytes: drop them; the member it named may still come
+            self.unauthenticated += 1
+            log.warning("dropped a data-plane connection from %s: %s", address, e)
+        except (asyncio.TimeoutError, OSError, FastPathError) as e:
             if allreduce is not None:  # a member's part is lost: our slice can never be complete
                 allreduce.abort(f"a sender's part was lost: {type(e).__name__}")
             elif key is not None and key in self.groups and not self.groups[key].done():

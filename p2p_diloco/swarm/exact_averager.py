@@ -35,6 +35,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
 
 from ..outer.aggregation import Policy
+from .data_auth import DataAuthError, DataPeer, verify_advertisement
 from .data_server import DataServer
 from .fastpath import FastAllReduce
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
@@ -56,6 +57,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
 
     _last_stats: dict
     data_socket = None  # listening socket of the direct-TCP data plane (fastpath.py), created by the host; or None
+    data_key = None  # our data-plane key (data_auth.py), made by the host with data_socket
     codec = None  # the run's Codec, used by the data plane
     _data_server = None
     state_provider = None  # host-side callable returning (metadata, tensors); set before the averager starts
@@ -82,18 +84,29 @@ class ExactAverager(PushMixin, DecentralizedAverager):
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         return {"gathered": gathered, "group_size": group_info.group_size, **self._last_stats}
 
-    def _data_addresses(self, group_info: GroupInfo) -> list[str] | None:
-        """Every member's data-plane address (from the data it gathered), or None if any member has none."""
-        addresses = []
-        for raw in group_info.gathered:
-            user = self.serializer.loads(self.serializer.loads(raw)[2])
-            address = user.get("data") if isinstance(user, dict) else None
-            if not isinstance(address, str):
-                return None
-            addresses.append(address)
-        return addresses
+    def _data_peers(self, group_info: GroupInfo) -> list[DataPeer] | None:
+        """Every member's data-plane entry, checked against the peer id it stands for (data_auth.py), or None if
+        any member has none (the group then uses libp2p: the same decision on every member, from the same data;
+        a leader that strips entries only moves the group to libp2p's own authenticated, encrypted streams).
 
-    async def _fast_allreduce(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, addresses: list[str],
+        The entries reach us through the leader, which cannot change one: an entry not signed by its member (an
+        address rewritten, another key put in its place) fails the all-reduce here, before any byte is sent."""
+        entries = []
+        for peer_id, raw in zip(group_info.peer_ids, group_info.gathered, strict=True):
+            user = self.serializer.loads(self.serializer.loads(raw)[2])
+            entry = user.get("data") if isinstance(user, dict) else None
+            if entry is None or isinstance(entry, str):  # (a str: a peer from before signed entries)
+                return None
+            entries.append((peer_id.to_base58(), entry))
+        try:
+            peers = [verify_advertisement(self.prefix, peer_id, entry) for peer_id, entry in entries]
+        except DataAuthError as e:
+            raise AllreduceException(f"refused the group's data plane: {e}") from None
+        if peers[group_info.peer_ids.index(self.peer_id)].public != self.data_key.public:
+            raise AllreduceException("refused the group's data plane: our own entry is not the one we sent")
+        return peers
+
+    async def _fast_allreduce(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, peers: list[DataPeer],
                               weight: float, peer_fractions: Sequence[float]) -> None:
         if self._data_server is None:  # started on first use; earlier connections wait in the listen backlog
             self._data_server = DataServer(self.data_socket, register_timeout=self._allreduce_timeout or 60.0)
@@ -102,9 +115,9 @@ class ExactAverager(PushMixin, DecentralizedAverager):
         cuts = torch.tensor([0.0, *peer_fractions]).cumsum(0) / max(sum(peer_fractions), 1e-9) * flat.numel()
         bounds = [int(round(float(c))) for c in cuts]
         bounds[-1] = flat.numel()
-        runner = FastAllReduce(group_info.group_id, group_info.peer_ids.index(self.peer_id), addresses, flat,
+        runner = FastAllReduce(group_info.group_id, group_info.peer_ids.index(self.peer_id), peers, flat,
                                bounds, weight, self.codec, chunk_timeout=self.next_chunk_timeout or 10.0,
-                               policy=self.policy)
+                               key=self.data_key, policy=self.policy)
         runner.part_delay = self.part_delay
         self._data_server.register(runner)
         try:
@@ -122,11 +135,11 @@ class ExactAverager(PushMixin, DecentralizedAverager):
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id=None, **kwargs):
-        addresses = self._data_addresses(group_info) if self.data_socket is not None else None
-        if addresses is not None:  # the same decision on every member: it depends only on the gathered data
+        peers = self._data_peers(group_info) if self.data_socket is not None else None
+        if peers is not None:  # the same decision on every member: it depends only on the gathered data
             assert group_info.group_id in self._running_groups, "group must be registered"
             self._running_groups[group_info.group_id].set_result(None)
-            return await self._fast_allreduce(tensors, group_info, addresses, kwargs["weight"],
+            return await self._fast_allreduce(tensors, group_info, peers, kwargs["weight"],
                                               kwargs["peer_fractions"])
         group_id = group_info.group_id if group_id is None else group_id
         started = time.monotonic()

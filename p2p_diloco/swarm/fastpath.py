@@ -3,21 +3,24 @@
 Why: through p2pd every byte is protobuf-serialised in Python, copied over a unix socket to the Go daemon,
 encrypted, multiplexed, and the same again on the other side; on 2 cores that caps the whole all-reduce at
 ~110-120 MB/s (field notes). Matchmaking, the DHT and state downloads stay on libp2p; only the bulk tensor bytes
-of an already-assembled group take plain TCP sockets between the members.
+of an already-assembled group take plain TCP sockets between the members, each authenticated as one member's
+(data_auth.py: the keys, the advertisements, the sealing).
 
-Protocol, one connection per (sender, reducer) pair, opened by the sender:
+Protocol, one connection per (sender, reducer) pair, opened by the sender to the address the reducer signed:
 
-* sender -> reducer: ``MAGIC | key | sender index | reducer index | weight``, where ``key`` is a hash of the
-  group id. The group id is random and reaches the members only over libp2p's authenticated, encrypted streams,
-  so a peer outside the group cannot guess the key (one that can read the traffic can: see below); then one
-  frame (``u64 length | bytes``): the sender's slice for this reducer, encoded with the run's codec.
-* reducer -> sender: one status byte (0 = ok) and one frame: the weighted average of the slice, encoded once.
+* sender -> reducer: the header ``MAGIC | route | sender index | reducer index | weight | payload bytes | nonce |
+  tag``, where ``route`` names the group on the reducer's port (a hash of the group id) and ``tag`` is a Poly1305
+  tag under the (sender, reducer) pair key and ``nonce``: the reducer knows who sends before it takes a byte of
+  payload, and drops a header that does not authenticate without failing the group. Then the sender's slice for
+  this reducer, encoded with the run's codec and sealed (a tag, or encrypted in chunks with
+  ``swarm.encrypt_data``).
+* reducer -> sender: ``status | reducer's nonce | payload bytes`` and the weighted average of the slice, encoded
+  once and sealed under a key of both nonces.
 
 Every member, the reducer included, decodes those same bytes, so the result is bit-identical on every peer.
-Any error, missing sender, bad header or timeout aborts the whole all-reduce (all-or-nothing, like
-:class:`~p2p_diloco.swarm.runner.ExactAllReduceRunner`). Not encrypted: pseudo-gradients cross the network in
-the clear and an on-path attacker could inject into a group (``swarm.transport = "p2p"`` keeps everything inside
-libp2p's encryption). Every read has an inactivity bound (``chunk_timeout``), so a frozen peer costs seconds.
+Any error of a member (an authenticated one), missing sender, bad frame or timeout aborts the whole all-reduce
+(all-or-nothing, like :class:`~p2p_diloco.swarm.runner.ExactAllReduceRunner`). Every read has an inactivity bound
+(``chunk_timeout``), so a frozen peer costs seconds.
 """
 
 from __future__ import annotations
@@ -27,31 +30,36 @@ import hashlib
 import socket
 import struct
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
-from ..outer.aggregation import Contribution, Policy, combine, validate
+from ..outer.aggregation import Contribution, Policy, combine, rms, validate
 from ..outer.codecs import Codec
+from .data_auth import (NONCE, TAG, DataAuthError, DataKey, DataPeer, check, fresh_nonce, recv_sealed, send_sealed,
+                        sealed_size, subkey, tag)
+from .sockets import connect, listen_socket, recv_into, send_all, tune, view_of
 
-MAGIC = b"P2PDILOCO1"
-INDICES = struct.Struct("!HHd")
-_LEN = struct.Struct("!Q")
+__all__ = ["FastAllReduce", "FastPathError", "HEADER_SIZE", "MAGIC", "group_key", "listen_socket", "recv_into", "tune"]
+
+MAGIC = b"P2PDILOCO2"
+INDICES = struct.Struct("!HHdQ")  # sender, reducer, weight, payload bytes
+HEADER_SIZE = len(MAGIC) + 16 + INDICES.size + NONCE + TAG
+_REPLY = struct.Struct(f"!B{NONCE}sQ")  # status (0 = ok), the reducer's nonce, payload bytes (status read alone)
 REDUCE_CHUNK = 2**18  # values validated and combined at once (1 MiB of fp32, as the libp2p parts by default)
+
+
+class Sender(NamedTuple):
+    """A sender that authenticated its connection's header (:meth:`FastAllReduce.authenticate`)."""
+
+    index: int
+    weight: float
+    pair_key: bytes
+    nonce: bytes
 
 
 class FastPathError(RuntimeError):
     """The direct-TCP all-reduce failed; nothing may be applied."""
-
-
-def listen_socket(host: str, port: int = 0) -> socket.socket:
-    """A bound, listening TCP socket (created in the host process so the port is known before the fork)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
-    sock.setblocking(False)
-    return sock
 
 
 def group_key(group_id: bytes) -> bytes:
@@ -59,117 +67,53 @@ def group_key(group_id: bytes) -> bytes:
     return hashlib.sha256(b"p2p-diloco data plane" + group_id).digest()[:16]
 
 
-def tune(sock: socket.socket) -> None:
-    sock.setblocking(False)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-async def _ready(sock: socket.socket, write: bool, timeout: float) -> None:
-    """Wait until ``sock`` is readable (or writable), for at most ``timeout`` seconds."""
-    loop = asyncio.get_event_loop()
-    fd, waiter = sock.fileno(), loop.create_future()
-    add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: waiter.done() or waiter.set_result(None))
-    try:
-        await asyncio.wait_for(waiter, timeout)
-    finally:
-        remove(fd)
-
-
-async def recv_into(sock: socket.socket, view: memoryview, timeout: float, touch=lambda: None) -> None:
-    """Fill ``view`` from ``sock``, with at most ``timeout`` seconds between two arrivals: a frozen or dead peer
-    is detected in seconds, while a slow but live link can take as long as it needs (the all-reduce timeout
-    bounds the total).
-
-    Zero-copy: the kernel writes straight into ``view`` (the decode buffer, or for fp32 the output itself). Reads
-    go as far as the socket buffer allows before waiting on the event loop: on a fast link that is one system
-    call per socket buffer, not one task per 64 KiB as with asyncio streams (the profile's top cost).
-    """
-    got, n = 0, len(view)
-    while got < n:
-        try:
-            k = sock.recv_into(view[got:])
-        except (BlockingIOError, InterruptedError):
-            await _ready(sock, False, timeout)
-            continue
-        if k == 0:
-            raise ConnectionResetError(f"connection closed after {got} of {n} bytes")
-        got += k
-        touch()
-
-
-async def _send_all(sock: socket.socket, view: memoryview, timeout: float) -> None:
-    """Send all of ``view`` (no copy), with at most ``timeout`` seconds without progress."""
-    sent, n = 0, len(view)
-    while sent < n:
-        try:
-            sent += sock.send(view[sent:])
-        except (BlockingIOError, InterruptedError):
-            await _ready(sock, True, timeout)
-
-
-async def _recv_frame(sock: socket.socket, into: torch.Tensor, timeout: float, touch=lambda: None) -> None:
-    """One frame (``u64 length | bytes``) whose length must be exactly ``into.numel()`` bytes."""
-    head = bytearray(_LEN.size)
-    await recv_into(sock, memoryview(head), timeout, touch)
-    (n,) = _LEN.unpack(head)
-    if n != into.numel():
-        raise FastPathError(f"frame of {n} bytes, expected {into.numel()}")
-    await recv_into(sock, _view(into), timeout, touch)
-
-
-def _view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous tensor, without a copy."""
-    return memoryview(t.numpy()).cast("B")
-
-
-async def _connect(address: str, timeout: float) -> socket.socket:
-    host, port = address.rsplit(":", 1)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    tune(sock)
-    try:
-        await asyncio.wait_for(asyncio.get_event_loop().sock_connect(sock, (host, int(port))), timeout)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 class FastAllReduce:
     """One butterfly all-reduce of a flat fp32 vector over direct TCP (runs in the averager's event loop).
 
     Args:
-        group_id: the group's random id (shared secret of its members).
-        index: our position in ``addresses``.
-        addresses: ``"host:port"`` of every member, in the group's order.
+        group_id: the group's random id (the pair keys are bound to it).
+        index: our position in ``peers``.
+        peers: every member as its verified advertisement says (data_auth.py), in the group's order.
         flat: our flat fp32 vector; ``bounds[i]:bounds[i + 1]`` is reducer i's slice.
         weight: our weight in the average.
         codec: the run's codec.
         chunk_timeout: the longest silence tolerated on any connection.
+        key: our data-plane key (its public half is ``peers[index].public``).
         policy: how our slice's contributions are validated and combined (aggregation.py).
     """
 
-    def __init__(self, group_id: bytes, index: int, addresses: Sequence[str], flat: torch.Tensor,
-                 bounds: Sequence[int], weight: float, codec: Codec, chunk_timeout: float,
+    def __init__(self, group_id: bytes, index: int, peers: Sequence[DataPeer], flat: torch.Tensor,
+                 bounds: Sequence[int], weight: float, codec: Codec, chunk_timeout: float, key: DataKey,
                  policy: Policy = Policy()):
-        self.key, self.index, self.addresses = group_key(group_id), index, list(addresses)
+        self.group_id, self.key, self.index = group_id, group_key(group_id), index
+        self.peers, self.data_key = list(peers), key
+        self.addresses = [p.address for p in self.peers]
+        self.encrypt = any(p.encrypt for p in self.peers)  # one member asking is enough: all decide alike
         self.chunk_timeout = chunk_timeout
         self.part_delay = 0.0
         self.flat, self.bounds, self.weight, self.codec = flat, list(bounds), weight, codec
-        self.n = len(addresses)
+        self.n = len(self.peers)
         self.output = torch.empty_like(flat)
         # Every member's contribution to our slice is kept until all are in, then validated and combined: a bad
         # one is left out instead of summed in (memory: group size x our slice).
         self.policy = policy
         self.contributions = [Contribution(index, self._slice(flat, index).to(torch.float32), weight)]
         self.excluded: dict[int, str] = {}  # {member index: reason} of the contributions left out
+        self.chunk_rms: dict[int, list[float]] = {}  # {member index: the RMS of each REDUCE_CHUNK of its part}
         self.contributed: set[int] = {index}
+        self.connected: set[int] = set()  # senders whose authenticated connection we took (one each)
+        self.refused = 0  # connections whose header did not authenticate
         self.averaged: asyncio.Future = asyncio.get_event_loop().create_future()  # our slice's encoded average
         self.served = 0  # senders whose answer has gone out (or failed)
         self.all_served: asyncio.Future = asyncio.get_event_loop().create_future()
         self.last_activity = time.monotonic()
         self.bytes_sent = self.bytes_received = 0
         self.wait_timeout = 60.0
+
+    def _pair_key(self, sender: int, reducer: int) -> bytes:
+        other = self.peers[reducer if sender == self.index else sender]
+        return self.data_key.pair_key(other.public, self.group_id, self.peers[sender].peer_id,
+                                      self.peers[reducer].peer_id)
 
     def _slice(self, t: torch.Tensor, i: int) -> torch.Tensor:
         return t[self.bounds[i]:self.bounds[i + 1]]
@@ -191,39 +135,71 @@ class FastAllReduce:
         return torch.empty(self.codec.payload_bytes(self._numel(i)), dtype=torch.uint8)
 
     # ----------------------------------------------------------------------------------------- reducer side
-    async def serve(self, sock: socket.socket, sender: int, weight: float) -> None:
-        """Take ``sender``'s contribution to our slice and answer with the encoded average."""
-        if sender in self.contributed or not 0 <= sender < self.n:
-            raise FastPathError(f"duplicate or invalid sender {sender}")
+    def authenticate(self, header: bytes) -> Sender:
+        """The sender of a connection's header; DataAuthError unless the member it names
+        sent it (only that member and we hold the pair key) and we have not taken a connection from it yet."""
+        sender, reducer, weight, length = INDICES.unpack_from(header, len(MAGIC) + 16)
+        nonce, expected = header[-NONCE - TAG:-TAG], header[-TAG:]
+        if reducer != self.index or not 0 <= sender < self.n or sender == self.index:
+            raise DataAuthError(f"a header for reducer {reducer} from member {sender} sent to reducer {self.index}")
+        pair_key = self._pair_key(sender, self.index)
         try:
-            await self._serve(sock, sender, weight)
+            check(subkey(pair_key, b"hdr", nonce), expected, header[:-TAG])
+        except DataAuthError:
+            self.refused += 1
+            raise DataAuthError(f"a header in the name of member {sender} did not authenticate") from None
+        if sender in self.connected:  # a replay of its header: the one connection we took stays
+            raise DataAuthError(f"a second connection from member {sender}")
+        if length != self.codec.payload_bytes(self._numel(self.index)):
+            raise FastPathError(f"member {sender} sends {length} bytes, expected "
+                                f"{self.codec.payload_bytes(self._numel(self.index))}")
+        self.connected.add(sender)
+        return Sender(sender, weight, pair_key, nonce)
+
+    async def serve(self, sock: socket.socket, sender: Sender) -> None:
+        """Take the contribution to our slice of the ``sender`` that :meth:`authenticate` returned, and answer with
+        the encoded average. Any failure is that member's and fails our slice."""
+        try:
+            await self._serve(sock, sender)
+        except DataAuthError as e:  # the member's own connection carried bytes that are not its
+            raise FastPathError(f"the part of member {sender.index} did not authenticate: {e}") from None
         finally:
             self.served += 1
             if self.served == self.n - 1 and not self.all_served.done():
                 self.all_served.set_result(None)
 
-    async def _serve(self, sock: socket.socket, sender: int, weight: float) -> None:
+    async def _serve(self, sock: socket.socket, sender: Sender) -> None:
         numel = self._numel(self.index)
         data = torch.empty(self.codec.payload_bytes(numel), dtype=torch.uint8)
-        await _recv_frame(sock, data, self.chunk_timeout, self._touch)
-        self.bytes_received += data.numel() + _LEN.size
-        self.contributions.append(Contribution(sender, self.codec.decode(data, numel), weight))
-        self.contributed.add(sender)
+        await recv_sealed(sock, view_of(data), subkey(sender.pair_key, b"up", sender.nonce), self.encrypt,
+                          self.chunk_timeout, self._touch)
+        self.bytes_received += sealed_size(data.numel(), self.encrypt)
+        contribution = Contribution(sender.index, self.codec.decode(data, numel), sender.weight)
+        # Its chunks' RMS now, off the event loop, while the other parts are still arriving and it is still in the
+        # cache: after the last arrival the reduction only compares them (issue 18, point 6: measuring them there
+        # made the sync ~20 % slower than before validation).
+        self.chunk_rms[sender.index] = await asyncio.get_event_loop().run_in_executor(None, self._chunk_rms,
+                                                                                      contribution.tensor)
+        self.contributions.append(contribution)
+        self.contributed.add(sender.index)
         self._touch()
         if len(self.contributed) == self.n and not self.averaged.done():
             await self._reduce()
         encoded = await asyncio.shield(self.averaged)
+        reply_nonce = fresh_nonce()
         # Counted once handed to the transport: the sender may finish (and our stats be read) before we return.
-        self.bytes_sent += encoded.numel() + _LEN.size + 1
-        await _send_all(sock, memoryview(b"\x00" + _LEN.pack(encoded.numel())), self.chunk_timeout)
-        await _send_all(sock, _view(encoded), self.chunk_timeout)
+        self.bytes_sent += sealed_size(encoded.numel(), self.encrypt) + _REPLY.size
+        await send_all(sock, memoryview(_REPLY.pack(0, reply_nonce, encoded.numel())), self.chunk_timeout)
+        await send_sealed(sock, view_of(encoded), subkey(sender.pair_key, b"down", sender.nonce + reply_nonce),
+                          self.encrypt, self.chunk_timeout)
 
     async def _reduce(self) -> None:
         """All contributions are in: our slice's encoded aggregate, or an error if a chunk had no valid one.
 
         Off the event loop (the other connections keep being served) and chunk by chunk, so the extra memory is
         that of one chunk, not of the whole slice (which is half the model in a group of two)."""
-        encoded = await asyncio.get_event_loop().run_in_executor(None, self._reduce_slice)
+        known_rms = dict(self.chunk_rms)  # (a copy: the executor must not see the event loop add to it)
+        encoded = await asyncio.get_event_loop().run_in_executor(None, self._reduce_slice, known_rms)
         self.contributions = []
         if self.averaged.done():  # aborted meanwhile
             return
@@ -232,14 +208,19 @@ class FastAllReduce:
         else:
             self.averaged.set_result(encoded)
 
-    def _reduce_slice(self) -> torch.Tensor | None:
+    @staticmethod
+    def _chunk_rms(t: torch.Tensor) -> list[float]:
+        return [rms(t[start:start + REDUCE_CHUNK]) for start in range(0, t.numel(), REDUCE_CHUNK)]
+
+    def _reduce_slice(self, known_rms: dict[int, list[float]]) -> torch.Tensor | None:
         contributions = sorted(self.contributions, key=lambda c: c.sender)  # same bytes whatever the arrival order
         numel = self._numel(self.index)
         out = torch.empty(numel, dtype=torch.float32)
         for start in range(0, numel, REDUCE_CHUNK):
             stop = min(start + REDUCE_CHUNK, numel)
             chunk = [Contribution(c.sender, c.tensor[start:stop], c.weight) for c in contributions]
-            kept, excluded = validate(chunk, self.policy, stop - start, own=self.index)
+            known = {sender: values[start // REDUCE_CHUNK] for sender, values in known_rms.items()}
+            kept, excluded = validate(chunk, self.policy, stop - start, own=self.index, known_rms=known)
             for sender, reason in excluded.items():
                 self.excluded.setdefault(sender, reason)
             if not kept:
@@ -251,33 +232,45 @@ class FastAllReduce:
     # ------------------------------------------------------------------------------------------ sender side
     async def _send_to(self, j: int, connect_timeout: float) -> None:
         try:
-            sock = await _connect(self.addresses[j], connect_timeout)
+            sock = await connect(self.addresses[j], connect_timeout)
         except (OSError, asyncio.TimeoutError) as e:
             raise FastPathError(f"cannot connect to member {j} at {self.addresses[j]}: {type(e).__name__}") from None
         try:
-            payload = _view(self.codec.encode(self._slice(self.flat, j)))
-            header = MAGIC + self.key + INDICES.pack(self.index, j, self.weight) + _LEN.pack(len(payload))
-            await _send_all(sock, memoryview(header), self.chunk_timeout)
-            step = 2**14 if self.part_delay else len(payload) or 1
-            for start in range(0, len(payload), step):
-                if self.part_delay:  # fault tests only: stretch the transfer so a signal lands in the middle
-                    await asyncio.sleep(self.part_delay)
-                await _send_all(sock, payload[start:start + step], self.chunk_timeout)
-            self.bytes_sent += len(payload) + _LEN.size
+            pair_key, nonce = self._pair_key(self.index, j), fresh_nonce()
+            payload = view_of(self.codec.encode(self._slice(self.flat, j)))
+            header = MAGIC + self.key + INDICES.pack(self.index, j, self.weight, len(payload)) + nonce
+            header += tag(subkey(pair_key, b"hdr", nonce), header)
+            await send_all(sock, memoryview(header), self.chunk_timeout)
+            await send_sealed(sock, payload, subkey(pair_key, b"up", nonce), self.encrypt, self.chunk_timeout,
+                              send=self._paced if self.part_delay else send_all)
+            self.bytes_sent += sealed_size(len(payload), self.encrypt) + len(header)
             # The reducer answers only once every member's part is in: allow for the slowest sender's transfer.
-            status = bytearray(1)
-            await recv_into(sock, memoryview(status), self.wait_timeout)
-            if status != b"\x00":
+            reply = bytearray(_REPLY.size)
+            await recv_into(sock, memoryview(reply)[:1], self.wait_timeout)
+            if reply[0] != 0:
                 raise FastPathError(f"reducer {j} refused our part")
+            await recv_into(sock, memoryview(reply)[1:], self.chunk_timeout)
+            _, reply_nonce, length = _REPLY.unpack(reply)
             data = self._receive_buffer(j)
-            await _recv_frame(sock, data, self.chunk_timeout)
-            self.bytes_received += data.numel() + _LEN.size + 1
+            if length != data.numel():
+                raise FastPathError(f"reducer {j} answers {length} bytes, expected {data.numel()}")
+            await recv_sealed(sock, view_of(data), subkey(pair_key, b"down", nonce + reply_nonce), self.encrypt,
+                              self.chunk_timeout)
+            self.bytes_received += sealed_size(data.numel(), self.encrypt) + _REPLY.size
             self._decode_into(data, j)
         except ConnectionError as e:
             # The reducer hung up: it aborted its slice (another member failed it) or it died.
             raise FastPathError(f"reducer {j} dropped our connection: {type(e).__name__}") from None
+        except DataAuthError as e:
+            raise FastPathError(f"the answer of reducer {j} did not authenticate: {e}") from None
         finally:
             sock.close()
+
+    async def _paced(self, sock: socket.socket, view: memoryview, timeout: float) -> None:
+        """Fault tests only: stretch the transfer so that a signal lands in the middle of it."""
+        for start in range(0, len(view), 2**14):
+            await asyncio.sleep(self.part_delay)
+            await send_all(sock, view[start:start + 2**14], timeout)
 
     def _touch(self) -> None:
         self.last_activity = time.monotonic()
@@ -297,6 +290,9 @@ class FastAllReduce:
         # We keep exactly what the others receive: the decoded bytes of our encoded average, not the exact one.
         if self.n == 1:
             await self._reduce()
+        else:  # our own part's chunk RMS while our parts go out (the reduction computes any it lacks itself)
+            own = self._slice(self.flat, self.index)
+            self.chunk_rms[self.index] = await asyncio.get_event_loop().run_in_executor(None, self._chunk_rms, own)
         encoded = await self._wait_for_senders()
         self._decode_into(encoded, self.index)
         if self.n > 1:

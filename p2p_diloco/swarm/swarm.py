@@ -165,7 +165,7 @@ class Swarm:
                 raise SwarmError(f"this peer ({self.peer_id}) is not in swarm.allowed_peers: the others would "
                                  f"refuse it (fix the list, or give --identity-path with a listed key)")
             self.averagers = Averagers(self.cfg, self.dht, self._groups, self._providers, self.visible_maddrs,
-                                       self.allowed)
+                                       self.allowed, self.identity)
             self._owned = descendants() - before  # DHT, averager(s), p2pd: what shutdown() stops
             if not follower:
                 self._publish_config()

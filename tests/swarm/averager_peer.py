@@ -86,6 +86,94 @@ def trailing_error() -> None:
     ExactAllReduceRunner.rpc_aggregate_part = erring
 
 
+def impersonate(out: str) -> None:
+    """Issue 18, point 1: an insider that, before its own honest run, sends every other reducer a part of -5.0 in
+    the name of the third member, as well as an insider can: a header tagged with its own pair key with that
+    reducer (it has no other). Writes ``out`` + ``.answered``: how many of those parts a reducer answered."""
+    import torch as _torch
+
+    from p2p_diloco.swarm import data_auth, fastpath
+
+    original = fastpath.FastAllReduce.run
+
+    async def send_as(self, reducer: int, victim: int, timeout: float) -> bool:
+        sock = await fastpath.connect(self.addresses[reducer], timeout)
+        try:
+            nonce, pair_key = os.urandom(data_auth.NONCE), self._pair_key(self.index, reducer)
+            payload = fastpath.view_of(self.codec.encode(_torch.full((self._numel(reducer),), -5.0)))
+            header = fastpath.MAGIC + self.key + fastpath.INDICES.pack(victim, reducer, 1.0, len(payload)) + nonce
+            header += data_auth.tag(data_auth.subkey(pair_key, b"hdr", nonce), header)
+            await fastpath.send_all(sock, memoryview(header), timeout)
+            await data_auth.send_sealed(sock, payload, data_auth.subkey(pair_key, b"up", nonce), False, timeout)
+            status = bytearray(1)
+            await fastpath.recv_into(sock, memoryview(status), timeout)
+            return True  # the reducer answered: it took our part as the victim's
+        except OSError:  # it hung up on us
+            return False
+        finally:
+            sock.close()
+
+    async def run(self, connect_timeout, wait_timeout):
+        answered = 0
+        for reducer in range(self.n):
+            if reducer != self.index:
+                victim = next(k for k in range(self.n) if k not in (reducer, self.index))
+                answered += await asyncio.wait_for(send_as(self, reducer, victim, 5.0), 10)
+        Path(out + ".answered").write_text(str(answered))
+        return await original(self, connect_timeout, wait_timeout)
+
+    fastpath.FastAllReduce.run = run
+
+
+def connect_late(delay: float) -> None:
+    """Open our data-plane connections ``delay`` s late (so that an impersonator's part arrives first)."""
+    from p2p_diloco.swarm import fastpath
+
+    original = fastpath.FastAllReduce._send_to
+
+    async def late(self, j, connect_timeout):
+        await asyncio.sleep(delay)
+        return await original(self, j, connect_timeout)
+
+    fastpath.FastAllReduce._send_to = late
+
+
+def rewrite_addresses(rogue: str, out: str) -> None:
+    """Issue 18, point 1: a leader that points every follower's data address at ``rogue`` (in the entries it
+    relays) before it sends the group out. Writes ``out`` + ``.led`` if it led a group."""
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.utils import MSGPackSerializer
+
+    original = Matchmaking.leader_assemble_group
+
+    async def rewriting(self):
+        for request in self.current_followers.values():
+            outer = list(MSGPackSerializer.loads(request.gather))
+            user = MSGPackSerializer.loads(outer[2])
+            user["data"]["addr"] = rogue
+            outer[2] = MSGPackSerializer.dumps(user)
+            request.gather = MSGPackSerializer.dumps(outer)
+        Path(out + ".led").write_text("led")
+        return await original(self)
+
+    Matchmaking.leader_assemble_group = rewriting
+
+
+def take_turn(out: str, group_size: int, lead: bool) -> None:
+    """Make peer 0 the leader of the group: it starts looking once every other peer is up (``OUT.ready``), and
+    they start 1 s after it (hivemind: followers join the leader whose matchmaking ends first)."""
+    here = Path(out)
+    here.with_suffix(".ready").write_text("")
+    others = [here.with_name(f"p{k}.ready") for k in range(group_size)]
+    marker, deadline = here.with_name("p0.stepping"), time.monotonic() + 60
+    while time.monotonic() < deadline and not (all(p.exists() for p in others) if lead else marker.exists()):
+        time.sleep(0.05)
+    if lead:
+        marker.write_text("")
+    else:
+        time.sleep(1.0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("index", type=int)
@@ -101,6 +189,11 @@ def main() -> None:
     p.add_argument("--no-wait", action="store_true", help="shut down at once after writing the result")
     p.add_argument("--codec", default="none")
     p.add_argument("--transport", choices=["p2p", "tcp"], default="p2p")
+    p.add_argument("--impersonate", action="store_true", help="an insider sending parts in another's name")
+    p.add_argument("--connect-late", type=float, default=0.0)
+    p.add_argument("--lead", action="store_true", help="peer 0: start looking once the others are up")
+    p.add_argument("--follow", action="store_true", help="start looking 1 s after peer 0 (--lead) did")
+    p.add_argument("--rewrite-addresses", default=None, help="a leader pointing the followers' data at this address")
     p.add_argument("--expect", type=int, default=None,
                    help="the group size this peer asks for (default: group_size, the number of peers)")
     args = p.parse_args()
@@ -116,21 +209,39 @@ def main() -> None:
         slow_answers(args.slow_answers)
     if args.trailing_error:
         trailing_error()
-    dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    if args.impersonate:
+        impersonate(args.out)
+    if args.connect_late:
+        connect_late(args.connect_late)
+    if args.rewrite_addresses:
+        rewrite_addresses(args.rewrite_addresses, args.out)
+    from p2p_diloco.swarm.identity import Identity
+
+    identity = Identity()  # our libp2p identity: it signs our data-plane entry, as in a peer
+    dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       identity_path=identity.path)
+    identity.close()  # p2pd has read it
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
     av = ExactAverager(make_tensors(args.index), dht, start=False, prefix="avgtest", min_matchmaking_time=5.0,
                        request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16,
                        compression=compression_for(args.codec))
+    from p2p_diloco.outer.aggregation import Policy
+
+    av.policy = Policy(method="mean")  # the weighted mean: what the tests compute exactly
     gather = {"round": 3, "digest": "d3", "tokens": args.index + 1, "head": ""}  # what a peer's Syncer gathers
-    if args.transport == "tcp":  # what Swarm does: a listening socket before the fork, its address in the gather
+    if args.transport == "tcp":  # what Swarm does: a listening socket before the fork, its signed entry in the gather
         from p2p_diloco.outer.codecs import get_codec
+        from p2p_diloco.swarm.data_auth import DataKey, DataPeer, advertise
         from p2p_diloco.swarm.fastpath import listen_socket
 
-        av.codec, av.data_socket = get_codec(args.codec), listen_socket("127.0.0.1")
-        gather["data"] = f"127.0.0.1:{av.data_socket.getsockname()[1]}"
+        av.codec, av.data_socket, av.data_key = get_codec(args.codec), listen_socket("127.0.0.1"), DataKey()
+        me = DataPeer(identity.peer_id, f"127.0.0.1:{av.data_socket.getsockname()[1]}", av.data_key.public)
+        gather["data"] = advertise(identity.sign, identity.public_key, av.prefix, me)
     av.run_in_background(await_ready=True, timeout=30)
+    if args.lead or args.follow:
+        take_turn(args.out, args.group_size, args.lead)
     t0 = time.monotonic()
-    errors = []
+    errors, result = [], None
     for _ in range(args.attempts):
         # Like Swarm.all_reduce: every attempt starts from our own tensors and the round's group key, because a
         # failed attempt leaves garbage in the buffers and hivemind moves the group key once a group assembles.
@@ -147,15 +258,14 @@ def main() -> None:
             errors.append(repr(e)[:300])
             if args.retry_only_matchmaking and "could not find a group" not in repr(e):
                 break
-    else:
-        result = None
     if result is not None:
         with av.get_tensors() as ts:
             torch.save([t.clone() for t in ts], args.out + ".pt")
             out = {"ok": True, "digest": digest(ts), "group_size": result["group_size"], "attempts": len(errors) + 1,
                    "bytes_sent": result["bytes_sent"], "bytes_received": result["bytes_received"],
                    "me": dht.peer_id.to_base58(),
-                   "gathered": {pid.to_base58(): data for pid, data in result["gathered"].items()}}
+                   "gathered": {pid.to_base58(): {k: v for k, v in data.items() if k != "data"}  # (bytes)
+                                for pid, data in result["gathered"].items()}}
     else:
         out = {"ok": False, "error": errors[-1], "errors": errors, "seconds": time.monotonic() - t0}
     with open(args.out + ".json", "w") as f:

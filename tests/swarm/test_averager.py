@@ -72,6 +72,12 @@ def _tail(path, lines=40):
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
 
+def _expected_average(n):
+    """Peer i weighs i + 1, capped at the lower median weight (aggregation.py); averager_peer.py reduces with mean."""
+    weights = [min(float(i + 1), float((n - 1) // 2 + 1)) for i in range(n)]
+    return [sum(w * t for w, t in zip(weights, ts)) / sum(weights) for ts in zip(*(make_tensors(i) for i in range(n)))]
+
+
 # Relative L2 error of the averaged result against the exact fp32 average. A reducer's own contribution is not
 # encoded, the others' are, and the average is encoded once more on the way back.
 TOLERANCE = {"none": 1e-6, "fp16": 1e-3, "bf16": 8e-3, "int8": 2e-2, "int4": 0.25}
@@ -86,9 +92,7 @@ def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap, codec, t
     results = _run(tmp_path, n, reap, attempts=3, codec=codec, transport=transport)
     assert all(r["ok"] for r in results.values()), results
     assert len({r["digest"] for r in results.values()}) == 1, "peers ended with different bits"
-    weights = [float(i + 1) for i in range(n)]
-    expected = [sum(w * t for w, t in zip(weights, ts)) / sum(weights)
-                for ts in zip(*(make_tensors(i) for i in range(n)))]
+    expected = _expected_average(n)
     got = torch.load(tmp_path / "p0.pt")
     err = torch.cat([(g - w).flatten() for g, w in zip(got, expected)]).norm() / torch.cat(
         [w.flatten() for w in expected]).norm()
@@ -158,3 +162,55 @@ def test_a_follower_refuses_the_smaller_group_its_leader_formed(tmp_path, reap):
     assert problem and "a group of 2, we expected 3" in problem, problem
     leader = results[0]
     assert group_problem(3, "d3", leader["me"], None, 2, leader["gathered"]) is None  # it got what it asked for
+
+
+def test_an_insider_cannot_send_a_part_in_another_members_name(tmp_path, reap):
+    """Issue 18, point 1, the attack: in a group of 3 on the TCP data plane, peer 2 first sends each other
+    reducer a part of -5.0 in the name of the third member (the best header an insider can make: its own pair
+    key with that reducer), then takes part honestly. No reducer answers such a part, and every peer ends with
+    the honest weighted average of the three. Before, the header's sender index was believed: the fake part
+    took the victim's place (the slice came out of -5.0s, and the real member was refused as a duplicate).
+    The honest peers connect 1 s late, so that the fake parts come first."""
+    n = 3
+    late = ["--connect-late", "1"]
+    results = _run(tmp_path, n, reap, transport="tcp", attempts=3, extra={0: late, 1: late, 2: ["--impersonate"]})
+    assert all(r["ok"] for r in results.values()), results
+    assert len({r["digest"] for r in results.values()}) == 1
+    assert (tmp_path / "p2.answered").read_text() == "0"  # every impersonated part was dropped unanswered
+    got = torch.load(tmp_path / "p0.pt")
+    expected = _expected_average(n)
+    err = torch.cat([(g - w).flatten() for g, w in zip(got, expected)]).norm() / torch.cat(
+        [w.flatten() for w in expected]).norm()
+    assert err < 1e-6, err
+
+
+def test_a_leader_cannot_point_its_followers_at_another_address(tmp_path, reap):
+    """Issue 18, point 1, the attack: the leader (peer 0, it starts looking first) rewrites the data address in
+    each follower's entry to a listener of ours before it sends the group out. Followers take each member's
+    address only from that member's own signed entry: they refuse the group before sending a byte, and nobody
+    connects to the rewritten address. Before, followers took the leader's relay verbatim and sent their parts
+    there (a leader could so receive and answer every slice)."""
+    import socket
+
+    rogue = socket.socket()
+    rogue.bind(("127.0.0.1", 0))
+    rogue.listen(16)
+    rogue.settimeout(0.2)
+    address = f"127.0.0.1:{rogue.getsockname()[1]}"
+    try:
+        follow = ["--follow"]
+        results = _run(tmp_path, 3, reap, transport="tcp",
+                       extra={0: ["--rewrite-addresses", address, "--lead"], 1: follow, 2: follow})
+        connected = 0
+        while True:
+            try:
+                rogue.accept()[0].close()
+                connected += 1
+            except (TimeoutError, OSError):
+                break
+    finally:
+        rogue.close()
+    assert (tmp_path / "p0.led").exists(), "peer 0 did not lead the group: the attack was not made"
+    assert connected == 0, f"{connected} connection(s) to the address the leader wrote"
+    for i in (1, 2):
+        assert not results[i]["ok"] and "is not signed by" in results[i]["error"], results[i]

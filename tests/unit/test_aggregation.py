@@ -18,9 +18,14 @@ def _honest(n, seed=0, numel=NUMEL):
     return [Contribution(i, torch.randn(numel, generator=g), float(i + 1)) for i in range(n)]
 
 
+MEAN = Policy(method="mean")
+
+
 def _weighted_mean(cs):
-    total = sum(c.weight for c in cs)
-    return sum(c.tensor.double() * c.weight for c in cs) / total
+    """The token-weighted mean, each weight capped at the lower median weight (as the robust default's peers)."""
+    cap = sorted(c.weight for c in cs)[(len(cs) - 1) // 2]
+    weights = [min(c.weight, cap) for c in cs]
+    return sum(c.tensor.double() * w for c, w in zip(cs, weights)) / sum(weights)
 
 
 def test_rms():
@@ -28,9 +33,13 @@ def test_rms():
     assert rms(torch.empty(0)) == 0.0
 
 
+def test_the_default_is_the_trimmed_mean():
+    assert Policy().method == "trimmed_mean"
+
+
 def test_mean_is_weighted_mean():
-    cs = _honest(4)
-    out, excluded = aggregate(cs, Policy(), NUMEL)
+    cs = _honest(4)  # weights 1, 2, 3, 4: 3 and 4 count as 2
+    out, excluded = aggregate(cs, MEAN, NUMEL)
     assert excluded == {}
     assert out.dtype == torch.float32 and out.shape == (NUMEL,)
     torch.testing.assert_close(out.double(), _weighted_mean(cs), rtol=0, atol=1e-6)
@@ -53,7 +62,7 @@ def test_malformed_contribution_is_excluded(bad, reason):
     kept, excluded = validate(cs, Policy(), NUMEL)
     assert [c.sender for c in kept] == [0, 1, 3]
     assert list(excluded) == [2] and reason in excluded[2]
-    out, _ = aggregate(cs, Policy(), NUMEL)
+    out, _ = aggregate(cs, MEAN, NUMEL)
     torch.testing.assert_close(out.double(), _weighted_mean(kept), rtol=0, atol=1e-6)
 
 
@@ -88,16 +97,20 @@ def test_with_three_or_more_the_median_is_the_reference_even_for_our_own():
     assert list(validate(cs, Policy(), NUMEL, own=3)[1]) == [3]
 
 
-def test_huge_weight_does_not_dominate_the_mean():
-    cs = _honest(4)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_claimed_weight_never_buys_more_than_the_median_share(n):
+    """Issue 18, point 3: weights are self-reported token counts. Capped at norm_bound x the median, a peer in a
+    pair claiming 10x got 10/11 of the mean; capped at the median weight, it gets an equal share at most."""
+    cs = _honest(n)
     for c in cs:
         c.weight = 1.0
     cs[0].weight = 1e9
-    out = combine(cs, Policy(norm_bound=10.0))
-    capped = [Contribution(c.sender, c.tensor, 10.0 if c.sender == 0 else 1.0) for c in cs]
-    torch.testing.assert_close(out.double(), _weighted_mean(capped), rtol=0, atol=1e-6)
-    assert (out - cs[0].tensor).norm() > 0.1 * cs[0].tensor.norm()
-    uncapped = combine(cs, Policy(norm_bound=0.0))  # the cap is tied to norm_bound
+    out = combine(cs, Policy(method="mean", norm_bound=10.0))
+    equal = sum(c.tensor for c in cs) / n
+    torch.testing.assert_close(out, equal, rtol=0, atol=1e-6)
+    cs[1].weight = 0.5  # a peer that trained fewer tokens still weighs less
+    torch.testing.assert_close(combine(cs, MEAN).double(), _weighted_mean(cs), rtol=0, atol=1e-6)
+    uncapped = combine(cs, Policy(method="mean", norm_bound=0.0))  # the cap is tied to norm_bound
     torch.testing.assert_close(uncapped, cs[0].tensor, rtol=0, atol=1e-6)
 
 
@@ -107,6 +120,22 @@ def test_trimmed_mean_drops_the_extremes_per_coordinate():
     cs = [Contribution(i, x, 1.0 + 100 * i) for i, x in enumerate(xs)]
     out = combine(cs, Policy(method="trimmed_mean", trim=0.25))  # k = max(1, int(1.25)) = 1
     torch.testing.assert_close(out, torch.tensor([2.0, 2.0]))
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_trimmed_mean_equals_the_sorted_definition(n):
+    """The fast paths (no cut; one cut at each end as sum - max - min) against a float64 sort, with ties and
+    values of very different sizes."""
+    g = torch.Generator().manual_seed(n)
+    xs = torch.randn(n, 5000, generator=g) * torch.logspace(-3, 3, n)[:, None]
+    xs[:, :100] = 1.5  # ties
+    cs = [Contribution(i, x.clone(), 1.0) for i, x in enumerate(xs)]
+    for trim in (0.0, 0.25, 0.4):
+        k = min(max(1, int(trim * n)), (n - 1) // 2) if n >= 3 else 0
+        expected = torch.sort(xs.double(), dim=0).values[k:n - k].mean(dim=0).float()
+        got = combine(cs, Policy(method="trimmed_mean", trim=trim))
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+        assert n not in (3, 4) or torch.equal(got, expected)  # the sorting networks are exact
 
 
 def test_trimmed_mean_with_two_is_the_unweighted_mean():
