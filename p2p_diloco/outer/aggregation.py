@@ -177,7 +177,7 @@ def _trimmed_mean(tensors: Sequence[torch.Tensor], trim: float) -> torch.Tensor:
     n = len(tensors)
     k = min(max(1, int(trim * n)), (n - 1) // 2) if n >= 3 else 0
     if k == 0:
-        out = tensors[0].to(torch.float64)
+        out = tensors[0].to(torch.float64, copy=True)
         for t in tensors[1:]:
             out.add_(t)
         return out.div_(n).to(torch.float32)
@@ -192,7 +192,7 @@ def _trimmed_mean(tensors: Sequence[torch.Tensor], trim: float) -> torch.Tensor:
     # The general path: the float64 sum minus the k largest and the k smallest values of every coordinate, found
     # by insertion with min/max (exact; 4k elementwise ops a contribution, where a sort of the stack cost 10x as
     # much at n = 8, k = 2 and made it the sync's largest cost).
-    total = tensors[0].to(torch.float64)
+    total = tensors[0].to(torch.float64, copy=True)
     for t in tensors[1:]:
         total.add_(t)
     for extreme in (*_running_extremes(tensors, k, torch.maximum, torch.minimum),

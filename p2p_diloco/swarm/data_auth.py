@@ -25,6 +25,7 @@ round), not alter it.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import os
 from dataclasses import dataclass
@@ -69,13 +70,20 @@ class DataKey:
         self._secret = X25519PrivateKey.generate()
         self.public = self._secret.public_key().public_bytes_raw()
 
+    def check(self, peer_public: bytes) -> None:
+        """DataAuthError unless ``peer_public`` gives a shared secret with our key (not a low-order point)."""
+        self._shared(peer_public)
+
+    def _shared(self, peer_public: bytes) -> bytes:
+        try:
+            return self._secret.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        except ValueError as e:  # a low-order point: no shared secret
+            raise DataAuthError(f"bad data-plane key: {e}") from None
+
     def pair_key(self, peer_public: bytes, group_id: bytes, sender: str, reducer: str) -> bytes:
         """The key of the (sender -> reducer) connection of one group: the same on both ends, known to no one
         else. The two directions between two members have different keys (the ids' order differs)."""
-        try:
-            shared = self._secret.exchange(X25519PublicKey.from_public_bytes(peer_public))
-        except ValueError as e:  # a low-order point: no shared secret
-            raise DataAuthError(f"bad data-plane key: {e}") from None
+        shared = self._shared(peer_public)
         info = b"|".join([SCHEME, sender.encode(), reducer.encode()])
         return HKDF(algorithm=hashes.SHA256(), length=32, salt=group_id, info=info).derive(shared)
 
@@ -112,10 +120,15 @@ def verify_advertisement(prefix: str, peer_id: str, entry) -> DataPeer:
 
 
 def _is_address(address: str) -> bool:
+    """``address`` is ``"<IPv4 address>:<port>"`` in ASCII (what ``connect`` can dial, nothing else)."""
     host, _, port = address.rpartition(":")
-    parts = host.split(".")
-    return (port.isdigit() and 0 < int(port) < 65536 and len(parts) == 4
-            and all(p.isdigit() and int(p) < 256 for p in parts))
+    if not (address.isascii() and port.isdecimal() and 0 < int(port) < 65536):
+        return False
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def subkey(pair_key: bytes, label: bytes, nonce: bytes) -> bytes:

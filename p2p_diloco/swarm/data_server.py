@@ -10,7 +10,7 @@ import logging
 import socket
 
 from .data_auth import DataAuthError
-from .fastpath import HEADER_SIZE, MAGIC, FastAllReduce, FastPathError
+from .fastpath import HEADER_SIZE, MAGIC, FastAllReduce
 from .sockets import recv_into, tune
 
 log = logging.getLogger("p2p_diloco.swarm")
@@ -103,9 +103,9 @@ class DataServer:
         except DataAuthError as e:  # someone else's bytes: drop them; the member it named may still come
             self.unauthenticated += 1
             log.warning("dropped a data-plane connection from %s: %s", address, e)
-        except (asyncio.TimeoutError, OSError, FastPathError) as e:
+        except Exception as e:  # a timeout, a socket error, a FastPathError, or a bug: fail fast, never hang
             if allreduce is not None:  # a member's part is lost: our slice can never be complete
-                allreduce.abort(f"a sender's part was lost: {type(e).__name__}")
+                allreduce.abort(f"a sender's part was lost: {type(e).__name__}: {e}")
             elif key is not None and key in self.groups and not self.groups[key].done():
                 self.groups.pop(key).cancel()  # nobody registered this key in time: forget it
         finally:

@@ -78,6 +78,10 @@ class ExactAverager(PushMixin, DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs):
         self._last_stats = {}
+        if len(set(group_info.peer_ids)) != len(group_info.peer_ids):
+            # hivemind's follower checks only that it is in the leader's list: a leader listed twice would hold two
+            # members' slots (two votes in every slice, on the data plane under its one pair key per reducer)
+            raise AllreduceException("the leader's group lists a member more than once")
         strangers = [p.to_base58() for p in group_info.peer_ids if not self._is_allowed(p)]
         if strangers:  # cannot happen between allowed peers (both ends refuse); a last check before any byte moves
             raise AllreduceException(f"group contains peers outside swarm.allowed_peers: {strangers}")
@@ -104,6 +108,11 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             raise AllreduceException(f"refused the group's data plane: {e}") from None
         if peers[group_info.peer_ids.index(self.peer_id)].public != self.data_key.public:
             raise AllreduceException("refused the group's data plane: our own entry is not the one we sent")
+        try:  # a member's key that gives no shared secret fails the group now, not after a silent timeout
+            for peer in peers:
+                self.data_key.check(peer.public)
+        except DataAuthError as e:
+            raise AllreduceException(f"refused the group's data plane: {e}") from None
         return peers
 
     async def _fast_allreduce(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, peers: list[DataPeer],

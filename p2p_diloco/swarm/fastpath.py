@@ -8,12 +8,12 @@ of an already-assembled group take plain TCP sockets between the members, each a
 
 Protocol, one connection per (sender, reducer) pair, opened by the sender to the address the reducer signed:
 
-* sender -> reducer: the header ``MAGIC | route | sender index | reducer index | weight | payload bytes | nonce |
-  tag``, where ``route`` names the group on the reducer's port (a hash of the group id) and ``tag`` is a Poly1305
-  tag under the (sender, reducer) pair key and ``nonce``: the reducer knows who sends before it takes a byte of
-  payload, and drops a header that does not authenticate without failing the group. Then the sender's slice for
-  this reducer, encoded with the run's codec and sealed (a tag, or encrypted in chunks with
-  ``swarm.encrypt_data``).
+* sender -> reducer: the header ``MAGIC | route | sender index | reducer index | weight | payload bytes | the
+  reducer's slice (start, stop, vector length) | nonce | tag``, where ``route`` names the group on the reducer's
+  port (a hash of the group id) and ``tag`` is a Poly1305 tag under the (sender, reducer) pair key and ``nonce``:
+  the reducer knows who sends before it takes a byte of payload, and drops a header that does not authenticate
+  without failing the group. Then the sender's slice for this reducer, encoded with the run's codec and sealed (a
+  tag, or encrypted in chunks with ``swarm.encrypt_data``).
 * reducer -> sender: ``status | reducer's nonce | payload bytes`` and the weighted average of the slice, encoded
   once and sealed under a key of both nonces.
 
@@ -43,7 +43,8 @@ from .sockets import connect, listen_socket, recv_into, send_all, tune, view_of
 __all__ = ["FastAllReduce", "FastPathError", "HEADER_SIZE", "MAGIC", "group_key", "listen_socket", "recv_into", "tune"]
 
 MAGIC = b"P2PDILOCO2"
-INDICES = struct.Struct("!HHdQ")  # sender, reducer, weight, payload bytes
+# sender, reducer, weight, payload bytes, and the reducer's slice as the sender cuts the vector (start, stop, length)
+INDICES = struct.Struct("!HHdQQQQ")
 HEADER_SIZE = len(MAGIC) + 16 + INDICES.size + NONCE + TAG
 _REPLY = struct.Struct(f"!B{NONCE}sQ")  # status (0 = ok), the reducer's nonce, payload bytes (status read alone)
 REDUCE_CHUNK = 2**18  # values validated and combined at once (1 MiB of fp32, as the libp2p parts by default)
@@ -138,7 +139,7 @@ class FastAllReduce:
     def authenticate(self, header: bytes) -> Sender:
         """The sender of a connection's header; DataAuthError unless the member it names
         sent it (only that member and we hold the pair key) and we have not taken a connection from it yet."""
-        sender, reducer, weight, length = INDICES.unpack_from(header, len(MAGIC) + 16)
+        sender, reducer, weight, length, *layout = INDICES.unpack_from(header, len(MAGIC) + 16)
         nonce, expected = header[-NONCE - TAG:-TAG], header[-TAG:]
         if reducer != self.index or not 0 <= sender < self.n or sender == self.index:
             raise DataAuthError(f"a header for reducer {reducer} from member {sender} sent to reducer {self.index}")
@@ -150,6 +151,11 @@ class FastAllReduce:
             raise DataAuthError(f"a header in the name of member {sender} did not authenticate") from None
         if sender in self.connected:  # a replay of its header: the one connection we took stays
             raise DataAuthError(f"a second connection from member {sender}")
+        if layout != [self.bounds[self.index], self.bounds[self.index + 1], self.flat.numel()]:
+            # the leader relays every member's bandwidth, so it could cut the vector differently for each: a part of
+            # the right length at another offset would be averaged with the wrong coordinates
+            raise FastPathError(f"member {sender} cuts our slice as {layout}, we as "
+                                f"{[self.bounds[self.index], self.bounds[self.index + 1], self.flat.numel()]}")
         if length != self.codec.payload_bytes(self._numel(self.index)):
             raise FastPathError(f"member {sender} sends {length} bytes, expected "
                                 f"{self.codec.payload_bytes(self._numel(self.index))}")
@@ -238,7 +244,8 @@ class FastAllReduce:
         try:
             pair_key, nonce = self._pair_key(self.index, j), fresh_nonce()
             payload = view_of(self.codec.encode(self._slice(self.flat, j)))
-            header = MAGIC + self.key + INDICES.pack(self.index, j, self.weight, len(payload)) + nonce
+            layout = (self.bounds[j], self.bounds[j + 1], self.flat.numel())
+            header = MAGIC + self.key + INDICES.pack(self.index, j, self.weight, len(payload), *layout) + nonce
             header += tag(subkey(pair_key, b"hdr", nonce), header)
             await send_all(sock, memoryview(header), self.chunk_timeout)
             await send_sealed(sock, payload, subkey(pair_key, b"up", nonce), self.encrypt, self.chunk_timeout,

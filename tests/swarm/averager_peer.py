@@ -101,7 +101,9 @@ def impersonate(out: str) -> None:
         try:
             nonce, pair_key = os.urandom(data_auth.NONCE), self._pair_key(self.index, reducer)
             payload = fastpath.view_of(self.codec.encode(_torch.full((self._numel(reducer),), -5.0)))
-            header = fastpath.MAGIC + self.key + fastpath.INDICES.pack(victim, reducer, 1.0, len(payload)) + nonce
+            layout = (self.bounds[reducer], self.bounds[reducer + 1], self.flat.numel())
+            header = (fastpath.MAGIC + self.key + fastpath.INDICES.pack(victim, reducer, 1.0, len(payload), *layout)
+                      + nonce)
             header += data_auth.tag(data_auth.subkey(pair_key, b"hdr", nonce), header)
             await fastpath.send_all(sock, memoryview(header), timeout)
             await data_auth.send_sealed(sock, payload, data_auth.subkey(pair_key, b"up", nonce), False, timeout)
@@ -123,6 +125,26 @@ def impersonate(out: str) -> None:
         return await original(self, connect_timeout, wait_timeout)
 
     fastpath.FastAllReduce.run = run
+
+
+def list_self_twice(out: str) -> None:
+    """Issue 18 review: a leader that lists itself twice in the group it sends out, in place of its second
+    follower (hivemind's follower checks only that it is in the list), to hold two of three members' slots.
+    Writes ``out`` + ``.led`` if it led a group."""
+    from hivemind.averaging.group_info import GroupInfo
+    from hivemind.averaging.matchmaking import Matchmaking
+    from hivemind.dht.routing import DHTID
+
+    async def doubled(self):
+        ordered = [next(iter(self.current_followers)), self.peer_id, self.peer_id]  # the size the members expect
+        gathered = tuple(self.step_control.data_for_gather if p == self.peer_id else self.current_followers[p].gather
+                         for p in ordered)
+        group_info = GroupInfo(DHTID.generate().to_bytes(), tuple(ordered), gathered)
+        self.assembled_group.set_result(group_info)  # (no key rotation: hivemind's assumes distinct members)
+        Path(out + ".led").write_text("led")
+        return group_info
+
+    Matchmaking.leader_assemble_group = doubled
 
 
 def connect_late(delay: float) -> None:
@@ -191,6 +213,7 @@ def main() -> None:
     p.add_argument("--transport", choices=["p2p", "tcp"], default="p2p")
     p.add_argument("--impersonate", action="store_true", help="an insider sending parts in another's name")
     p.add_argument("--connect-late", type=float, default=0.0)
+    p.add_argument("--list-self-twice", action="store_true", help="a leader holding two members' slots")
     p.add_argument("--lead", action="store_true", help="peer 0: start looking once the others are up")
     p.add_argument("--follow", action="store_true", help="start looking 1 s after peer 0 (--lead) did")
     p.add_argument("--rewrite-addresses", default=None, help="a leader pointing the followers' data at this address")
@@ -211,6 +234,8 @@ def main() -> None:
         trailing_error()
     if args.impersonate:
         impersonate(args.out)
+    if args.list_self_twice:
+        list_self_twice(args.out)
     if args.connect_late:
         connect_late(args.connect_late)
     if args.rewrite_addresses:

@@ -214,3 +214,18 @@ def test_a_leader_cannot_point_its_followers_at_another_address(tmp_path, reap):
     assert connected == 0, f"{connected} connection(s) to the address the leader wrote"
     for i in (1, 2):
         assert not results[i]["ok"] and "is not signed by" in results[i]["error"], results[i]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "p2p"])
+def test_a_leader_cannot_hold_two_members_slots(tmp_path, reap, transport):
+    """Issue 18 review, the attack: the leader (peer 0) sends out a group of the expected size, 3, that lists
+    itself twice and one follower. On the TCP data plane its one pair key with each reducer would authenticate
+    both of its slots: two votes of three in every slice, a majority of any robust average. The follower in it
+    refuses a group that lists a member more than once, before any byte of the all-reduce moves (the follower
+    left out fails too: the group does not contain it)."""
+    follow = ["--follow"]
+    results = _run(tmp_path, 3, reap, transport=transport,
+                   extra={0: ["--list-self-twice", "--lead"], 1: follow, 2: follow})
+    assert (tmp_path / "p0.led").exists(), "peer 0 did not lead the group: the attack was not made"
+    assert not results[1]["ok"] and not results[2]["ok"], results
+    assert any("more than once" in results[i]["error"] for i in (1, 2)), results

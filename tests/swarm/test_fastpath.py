@@ -121,6 +121,25 @@ def test_outsiders_cannot_feed_a_group():
     assert torch.equal(outs[0], outs[1])
 
 
+def test_members_that_cut_the_vector_differently_fail_every_member():
+    """Issue 18 review: the slice bounds come from the bandwidths the leader relays, so a leader could give one
+    member other bounds. Any other cut changes the length of some slice that a member sends to another (or
+    receives from one), which the length check refuses; the header also names the reducer's slice as the sender
+    cuts it, so the reason is explicit. Every member fails; none averages misaligned coordinates."""
+    async def main():
+        n = 3
+        servers, runners = await _members(n, get_codec("none"), _vectors(n, numel=30_000), [1.0] * n,
+                                          os.urandom(20))
+        runners[2].bounds = [0, 9_000, 19_000, 30_000]  # slice 1 of the same length, starting 1,000 later
+        results = await asyncio.wait_for(asyncio.gather(*(r.run(1.0, 10.0) for r in runners),
+                                                        return_exceptions=True), 30)
+        await _close(servers)
+        return results
+
+    results = asyncio.run(main())
+    assert all(isinstance(r, FastPathError) for r in results), results
+
+
 def test_a_member_that_never_sends_is_noticed_after_the_chunk_timeout():
     async def main():
         n = 3

@@ -44,6 +44,8 @@ def test_an_advertisement_verifies_for_the_peer_that_signed_it(identities):
     (lambda e, other: e.update(sig=b"\0" * 256), "not signed by"),
     (lambda e, other: e.update(addr="example.org:80"), "malformed"),
     (lambda e, other: e.update(addr="10.0.0.1:0"), "malformed"),
+    (lambda e, other: e.update(addr="1.2.3.\u00b2:80"), "malformed"),  # a superscript digit
+    (lambda e, other: e.update(addr="\u0661\u0662\u0667.0.0.1:80"), "malformed"),  # Arabic-Indic digits
     (lambda e, other: e.update(dh=b"short"), "malformed"),
     (lambda e, other: e.update(pub=b"k" * 5000), "malformed"),
     (lambda e, other: e.pop("sig"), "malformed"),
@@ -73,6 +75,9 @@ def test_pair_keys_agree_on_both_ends_and_differ_per_direction_and_group():
     assert c.pair_key(b.public, group, "A", "B") != a.pair_key(b.public, group, "A", "B")  # C claiming to be A
     with pytest.raises(DataAuthError):
         a.pair_key(b"\0" * 32, group, "A", "B")  # a low-order point gives no shared secret
+    with pytest.raises(DataAuthError):
+        a.check(b"\0" * 32)  # (what a member checks of every entry before the all-reduce)
+    a.check(b.public)
 
 
 async def _transfer(payload: bytes, key: bytes, encrypt: bool, flip: int | None = None, other_key=None):
