@@ -147,17 +147,20 @@ def list_self_twice(out: str) -> None:
     Matchmaking.leader_assemble_group = doubled
 
 
-def connect_late(delay: float) -> None:
-    """Open our data-plane connections ``delay`` s late (so that an impersonator's part arrives first)."""
+def connect_after(marker: str) -> None:
+    """Open our data-plane connections only once ``marker`` exists (the impersonator writes it when its fake parts
+    have all been sent and dropped), so that the fake parts are the first a reducer sees."""
     from p2p_diloco.swarm import fastpath
 
     original = fastpath.FastAllReduce._send_to
 
-    async def late(self, j, connect_timeout):
-        await asyncio.sleep(delay)
+    async def after(self, j, connect_timeout):
+        deadline = time.monotonic() + 20
+        while not Path(marker).exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         return await original(self, j, connect_timeout)
 
-    fastpath.FastAllReduce._send_to = late
+    fastpath.FastAllReduce._send_to = after
 
 
 def rewrite_addresses(rogue: str, out: str) -> None:
@@ -212,7 +215,7 @@ def main() -> None:
     p.add_argument("--codec", default="none")
     p.add_argument("--transport", choices=["p2p", "tcp"], default="p2p")
     p.add_argument("--impersonate", action="store_true", help="an insider sending parts in another's name")
-    p.add_argument("--connect-late", type=float, default=0.0)
+    p.add_argument("--connect-after", default=None, help="connect once this file exists (the impersonator's)")
     p.add_argument("--list-self-twice", action="store_true", help="a leader holding two members' slots")
     p.add_argument("--lead", action="store_true", help="peer 0: start looking once the others are up")
     p.add_argument("--follow", action="store_true", help="start looking 1 s after peer 0 (--lead) did")
@@ -236,8 +239,8 @@ def main() -> None:
         impersonate(args.out)
     if args.list_self_twice:
         list_self_twice(args.out)
-    if args.connect_late:
-        connect_late(args.connect_late)
+    if args.connect_after:
+        connect_after(args.connect_after)
     if args.rewrite_addresses:
         rewrite_addresses(args.rewrite_addresses, args.out)
     from p2p_diloco.swarm.identity import Identity

@@ -170,9 +170,9 @@ def test_an_insider_cannot_send_a_part_in_another_members_name(tmp_path, reap):
     key with that reducer), then takes part honestly. No reducer answers such a part, and every peer ends with
     the honest weighted average of the three. Before, the header's sender index was believed: the fake part
     took the victim's place (the slice came out of -5.0s, and the real member was refused as a duplicate).
-    The honest peers connect 1 s late, so that the fake parts come first."""
+    The honest peers connect only once the insider's fake parts are all out, so that the fake parts come first."""
     n = 3
-    late = ["--connect-late", "1"]
+    late = ["--connect-after", str(tmp_path / "p2.answered")]  # written once every fake part was sent
     results = _run(tmp_path, n, reap, transport="tcp", attempts=3, extra={0: late, 1: late, 2: ["--impersonate"]})
     assert all(r["ok"] for r in results.values()), results
     assert len({r["digest"] for r in results.values()}) == 1
