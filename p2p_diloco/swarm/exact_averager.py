@@ -40,6 +40,7 @@ from .data_server import DataServer
 from .fastpath import FastAllReduce
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
 from .state_push import PushMixin, read_state
+from .workspace import Workspace
 
 logger = get_logger(__name__)
 
@@ -60,6 +61,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
     data_key = None  # our data-plane key (data_auth.py), made by the host with data_socket
     codec = None  # the run's Codec, used by the data plane
     _data_server = None
+    _workspace = None  # the data plane's buffers, kept from one all-reduce to the next (workspace.py)
     state_provider = None  # host-side callable returning (metadata, tensors); set before the averager starts
     # Fault hooks of the real-process tests (tests/swarm/faulty_peer.py sets them before the averager forks): seconds
     # slept before sending each all-reduce part, and before each chunk of a state download we serve. 0 in a run.
@@ -120,13 +122,16 @@ class ExactAverager(PushMixin, DecentralizedAverager):
         if self._data_server is None:  # started on first use; earlier connections wait in the listen backlog
             self._data_server = DataServer(self.data_socket, register_timeout=self._allreduce_timeout or 60.0)
             await self._data_server.start()
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors])
+        if self._workspace is None:
+            self._workspace = Workspace()
+        flat = self._workspace.get("flat", sum(t.numel() for t in tensors))  # a copy: the runner averages in place
+        torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=flat)
         cuts = torch.tensor([0.0, *peer_fractions]).cumsum(0) / max(sum(peer_fractions), 1e-9) * flat.numel()
         bounds = [int(round(float(c))) for c in cuts]
         bounds[-1] = flat.numel()
         runner = FastAllReduce(group_info.group_id, group_info.peer_ids.index(self.peer_id), peers, flat,
                                bounds, weight, self.codec, chunk_timeout=self.next_chunk_timeout or 10.0,
-                               key=self.data_key, policy=self.policy)
+                               key=self.data_key, policy=self.policy, workspace=self._workspace)
         runner.part_delay = self.part_delay
         self._data_server.register(runner)
         try:
@@ -134,6 +139,8 @@ class ExactAverager(PushMixin, DecentralizedAverager):
                                    wait_timeout=self._allreduce_timeout or 60.0)
         finally:
             self._data_server.unregister(runner)
+            if not runner.settled:  # its reduction still runs in a thread after an abort: leave it its buffers
+                self._workspace = None
         offset = 0
         for t in tensors:
             t.copy_(out[offset:offset + t.numel()].view_as(t))

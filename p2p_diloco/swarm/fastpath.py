@@ -26,7 +26,9 @@ Any error of a member (an authenticated one), missing sender, bad frame or timeo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
+import os
 import socket
 import struct
 import time
@@ -39,6 +41,7 @@ from ..outer.codecs import Codec
 from .data_auth import (NONCE, TAG, DataAuthError, DataKey, DataPeer, check, fresh_nonce, recv_sealed, send_sealed,
                         sealed_size, subkey, tag)
 from .sockets import connect, listen_socket, recv_into, send_all, tune, view_of
+from .workspace import Workspace
 
 __all__ = ["FastAllReduce", "FastPathError", "HEADER_SIZE", "MAGIC", "group_key", "listen_socket", "recv_into", "tune"]
 
@@ -48,6 +51,17 @@ INDICES = struct.Struct("!HHdQQQQ")
 HEADER_SIZE = len(MAGIC) + 16 + INDICES.size + NONCE + TAG
 _REPLY = struct.Struct(f"!B{NONCE}sQ")  # status (0 = ok), the reducer's nonce, payload bytes (status read alone)
 REDUCE_CHUNK = 2**18  # values validated and combined at once (1 MiB of fp32, as the libp2p parts by default)
+_threads: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, pool): see _executor
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The data plane's own thread pool (one per process: a forked child makes its own). Its jobs are tracked as
+    the pool's futures, which are done only once the thread is: asyncio's wrapper of a job is done as soon as the
+    task awaiting it is cancelled, while the thread may still be writing into the workspace."""
+    global _threads
+    if _threads is None or _threads[0] != os.getpid():
+        _threads = (os.getpid(), concurrent.futures.ThreadPoolExecutor(thread_name_prefix="p2p-diloco-data"))
+    return _threads[1]
 
 
 class Sender(NamedTuple):
@@ -75,17 +89,19 @@ class FastAllReduce:
         group_id: the group's random id (the pair keys are bound to it).
         index: our position in ``peers``.
         peers: every member as its verified advertisement says (data_auth.py), in the group's order.
-        flat: our flat fp32 vector; ``bounds[i]:bounds[i + 1]`` is reducer i's slice.
+        flat: our flat fp32 vector; ``bounds[i]:bounds[i + 1]`` is reducer i's slice. Overwritten with the result,
+            each slice once our part of it is out: pass a copy.
         weight: our weight in the average.
         codec: the run's codec.
         chunk_timeout: the longest silence tolerated on any connection.
         key: our data-plane key (its public half is ``peers[index].public``).
         policy: how our slice's contributions are validated and combined (aggregation.py).
+        workspace: where the parts we receive and our reduction go (workspace.py); a new one if None.
     """
 
     def __init__(self, group_id: bytes, index: int, peers: Sequence[DataPeer], flat: torch.Tensor,
                  bounds: Sequence[int], weight: float, codec: Codec, chunk_timeout: float, key: DataKey,
-                 policy: Policy = Policy()):
+                 policy: Policy = Policy(), workspace: Workspace | None = None):
         self.group_id, self.key, self.index = group_id, group_key(group_id), index
         self.peers, self.data_key = list(peers), key
         self.addresses = [p.address for p in self.peers]
@@ -94,7 +110,10 @@ class FastAllReduce:
         self.part_delay = 0.0
         self.flat, self.bounds, self.weight, self.codec = flat, list(bounds), weight, codec
         self.n = len(self.peers)
-        self.output = torch.empty_like(flat)
+        self.output = flat  # (in place: no second vector of the model's size to fault in and hold)
+        self.workspace = workspace if workspace is not None else Workspace()
+        self._jobs: list[concurrent.futures.Future] = []  # our work in threads: it reads and writes the workspace
+        self._serving: set[asyncio.Task] = set()  # the data port's tasks that serve our slice
         # Every member's contribution to our slice is kept until all are in, then validated and combined: a bad
         # one is left out instead of summed in (memory: group size x our slice).
         self.policy = policy
@@ -133,7 +152,18 @@ class FastAllReduce:
         """Where the encoded average of slice ``i`` lands: lossless fp32 goes straight into the output."""
         if self.codec.lossless_fp32:
             return self._slice(self.output, i).view(torch.uint8)
-        return torch.empty(self.codec.payload_bytes(self._numel(i)), dtype=torch.uint8)
+        return self.workspace.get(f"answer{i}", self.codec.payload_bytes(self._numel(i)), torch.uint8)
+
+    def _in_thread(self, fn, *args) -> asyncio.Future:
+        """Run ``fn(*args)`` in a thread (off the event loop), tracked for :attr:`settled`."""
+        job = _executor().submit(fn, *args)
+        self._jobs.append(job)
+        return asyncio.wrap_future(job)
+
+    @property
+    def settled(self) -> bool:
+        """True once no work of ours is left in a thread: the workspace may serve the next all-reduce."""
+        return all(job.done() for job in self._jobs)
 
     # ----------------------------------------------------------------------------------------- reducer side
     def authenticate(self, header: bytes) -> Sender:
@@ -165,18 +195,21 @@ class FastAllReduce:
     async def serve(self, sock: socket.socket, sender: Sender) -> None:
         """Take the contribution to our slice of the ``sender`` that :meth:`authenticate` returned, and answer with
         the encoded average. Any failure is that member's and fails our slice."""
+        task = asyncio.current_task()
+        self._serving.add(task)  # cancelled when our all-reduce ends: it may not write into the workspace after
         try:
             await self._serve(sock, sender)
         except DataAuthError as e:  # the member's own connection carried bytes that are not its
             raise FastPathError(f"the part of member {sender.index} did not authenticate: {e}") from None
         finally:
+            self._serving.discard(task)
             self.served += 1
             if self.served == self.n - 1 and not self.all_served.done():
                 self.all_served.set_result(None)
 
     async def _serve(self, sock: socket.socket, sender: Sender) -> None:
         numel = self._numel(self.index)
-        data = torch.empty(self.codec.payload_bytes(numel), dtype=torch.uint8)
+        data = self.workspace.get(f"part{sender.index}", self.codec.payload_bytes(numel), torch.uint8)
         await recv_sealed(sock, view_of(data), subkey(sender.pair_key, b"up", sender.nonce), self.encrypt,
                           self.chunk_timeout, self._touch)
         self.bytes_received += sealed_size(data.numel(), self.encrypt)
@@ -184,8 +217,7 @@ class FastAllReduce:
         # Its chunks' RMS now, off the event loop, while the other parts are still arriving and it is still in the
         # cache: after the last arrival the reduction only compares them (issue 18, point 6: measuring them there
         # made the sync ~20 % slower than before validation).
-        self.chunk_rms[sender.index] = await asyncio.get_event_loop().run_in_executor(None, self._chunk_rms,
-                                                                                      contribution.tensor)
+        self.chunk_rms[sender.index] = await self._in_thread(self._chunk_rms, contribution.tensor)
         self.contributions.append(contribution)
         self.contributed.add(sender.index)
         self._touch()
@@ -205,7 +237,7 @@ class FastAllReduce:
         Off the event loop (the other connections keep being served) and chunk by chunk, so the extra memory is
         that of one chunk, not of the whole slice (which is half the model in a group of two)."""
         known_rms = dict(self.chunk_rms)  # (a copy: the executor must not see the event loop add to it)
-        encoded = await asyncio.get_event_loop().run_in_executor(None, self._reduce_slice, known_rms)
+        encoded = await self._in_thread(self._reduce_slice, known_rms)
         self.contributions = []
         if self.averaged.done():  # aborted meanwhile
             return
@@ -221,7 +253,7 @@ class FastAllReduce:
     def _reduce_slice(self, known_rms: dict[int, list[float]]) -> torch.Tensor | None:
         contributions = sorted(self.contributions, key=lambda c: c.sender)  # same bytes whatever the arrival order
         numel = self._numel(self.index)
-        out = torch.empty(numel, dtype=torch.float32)
+        out = self.workspace.get("reduced", numel)
         for start in range(0, numel, REDUCE_CHUNK):
             stop = min(start + REDUCE_CHUNK, numel)
             chunk = [Contribution(c.sender, c.tensor[start:stop], c.weight) for c in contributions]
@@ -299,7 +331,7 @@ class FastAllReduce:
             await self._reduce()
         else:  # our own part's chunk RMS while our parts go out (the reduction computes any it lacks itself)
             own = self._slice(self.flat, self.index)
-            self.chunk_rms[self.index] = await asyncio.get_event_loop().run_in_executor(None, self._chunk_rms, own)
+            self.chunk_rms[self.index] = await self._in_thread(self._chunk_rms, own)
         encoded = await self._wait_for_senders()
         self._decode_into(encoded, self.index)
         if self.n > 1:
@@ -321,7 +353,7 @@ class FastAllReduce:
         try:
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
+            for task in [*tasks, *self._serving]:
                 task.cancel()
             self.abort("all-reduce finished or aborted")
             for task in tasks:  # retrieve exceptions so that asyncio does not log them as never retrieved

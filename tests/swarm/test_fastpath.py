@@ -34,7 +34,8 @@ async def _members(n, codec, vectors, weights, group_id, chunk_timeout=2.0, poli
         await server.start()
     numel = vectors[0].numel()
     bounds = [numel * i // n for i in range(n + 1)]
-    runners = [FastAllReduce(group_id, i, peers, vectors[i], bounds, weights[i], codec, chunk_timeout, keys[i],
+    # (clones: a runner writes the result into the vector it is given)
+    runners = [FastAllReduce(group_id, i, peers, vectors[i].clone(), bounds, weights[i], codec, chunk_timeout, keys[i],
                              **({"policy": policy} if policy else {})) for i in range(n)]
     for server, runner in zip(servers, runners):
         server.register(runner)
@@ -192,6 +193,101 @@ def test_a_reducer_that_leaves_right_after_its_run_has_answered_everyone(monkeyp
     assert all(isinstance(o, torch.Tensor) for o in outs), outs
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_a_workspace_serves_one_all_reduce_after_another(codec):
+    """Each member keeps its workspace (the parts it receives, its reduction, the answers it decodes) from one
+    all-reduce to the next, as an averager does: the second all-reduce reuses the same memory (nothing new to fault
+    in) and averages its own vectors, with nothing of the first one's left in it."""
+    from p2p_diloco.swarm.workspace import Workspace
+
+    async def main():
+        n, workspaces, outs, pointers = 3, [Workspace() for _ in range(3)], [], []
+        for seed in (0, 1):
+            vectors = [v * (seed + 1) + seed for v in _vectors(n)]
+            servers, runners = await _members(n, get_codec(codec), vectors, [1.0] * n, os.urandom(20), policy=MEAN)
+            for runner, workspace in zip(runners, workspaces):
+                runner.workspace = workspace
+            outs.append((vectors, await asyncio.wait_for(asyncio.gather(*(r.run(2.0, 10.0) for r in runners)), 30)))
+            await _close(servers)
+            assert all(r.settled for r in runners)
+            pointers.append([{k: b.data_ptr() for k, b in w._buffers.items()} for w in workspaces])
+        return outs, pointers
+
+    outs, pointers = asyncio.run(main())
+    for i, buffers in enumerate(pointers[1]):  # the others' parts of our slice, our reduction, the answers
+        others = [j for j in range(3) if j != i]
+        answers = [] if codec == "none" else [f"answer{j}" for j in others]  # (fp32 lands in the vector itself)
+        assert sorted(buffers) == sorted([f"part{j}" for j in others] + ["reduced"] + answers)
+    assert pointers[0] == pointers[1]
+    for vectors, results in outs:
+        assert all(torch.equal(results[0], r) for r in results[1:])
+        exact = sum(vectors) / len(vectors)
+        assert ((results[0] - exact).norm() / exact.norm()).item() < (1e-6 if codec == "none" else 2e-2)
+
+
+def test_an_aborted_reducer_writes_nothing_into_its_workspace_after_it_returns():
+    """A reducer whose all-reduce fails stops taking the parts still arriving: the data port's task that received
+    them is cancelled, so that the averager's next all-reduce can reuse the buffer. Member 1 only sends its part,
+    slowly, and does not stop on its own; member 0's all-reduce is aborted while that part is half in."""
+    async def main():
+        n = 2
+        servers, runners = await _members(n, get_codec("none"), _vectors(n, numel=400_000), [1.0] * n,
+                                          os.urandom(20), chunk_timeout=5.0)
+        runners[1].part_delay = 0.005  # 16 KiB per 5 ms: ~0.5 s for its 800 KB part
+        runs = [asyncio.ensure_future(runners[0].run(2.0, 10.0)), asyncio.ensure_future(runners[1]._send_to(0, 2.0))]
+        while not any(key.startswith("part") for key in runners[0].workspace._buffers):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # part of member 1's part is in
+        runners[0].abort("the test aborts member 0")
+        with pytest.raises(FastPathError, match="the test aborts"):
+            await asyncio.wait_for(runs[0], 10)
+        part = runners[0].workspace._buffers["part1"].clone()
+        await asyncio.sleep(0.3)  # member 1 would still be sending into it
+        unchanged = torch.equal(part, runners[0].workspace._buffers["part1"])
+        results = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 20)
+        await _close(servers)
+        return results, unchanged, runners[0].settled
+
+    results, unchanged, settled = asyncio.run(main())
+    assert all(isinstance(r, FastPathError) for r in results), results
+    assert unchanged and settled
+
+
+def test_a_reduction_still_running_after_an_abort_keeps_the_runner_unsettled(monkeypatch):
+    """The averager reuses a runner's workspace only once the runner is settled: a reduction still running in a
+    thread after an abort would otherwise write into the next all-reduce's buffers."""
+    import threading
+
+    release, reducing = threading.Event(), threading.Event()
+    reduce_slice = FastAllReduce._reduce_slice
+
+    def stuck(self, known_rms):
+        reducing.set()
+        release.wait(10)
+        return reduce_slice(self, known_rms)
+
+    monkeypatch.setattr(FastAllReduce, "_reduce_slice", stuck)
+
+    async def main():
+        servers, runners = await _members(2, get_codec("none"), _vectors(2), [1.0, 1.0], os.urandom(20))
+        runs = [asyncio.ensure_future(r.run(2.0, 10.0)) for r in runners]
+        while not reducing.is_set():
+            await asyncio.sleep(0.01)
+        runners[0].abort("the test aborts member 0")
+        await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 20)
+        before = [r.settled for r in runners]
+        release.set()
+        for _ in range(500):
+            if all(r.settled for r in runners):
+                break
+            await asyncio.sleep(0.01)
+        await _close(servers)
+        return before, [r.settled for r in runners]
+
+    before, after = asyncio.run(main())
+    assert before == [False, False] and after == [True, True]
 
 SLOW_LORIS = r"""
 import socket, sys, time
