@@ -97,6 +97,7 @@ class Averagers:
                 shutdown_timeout=5, client_mode=self.sc.client_mode,
             )
             averager.state_provider = state_providers[key]
+            averager.state_shapes = [tuple(b.shape) for b in buffers] * 2  # what a donor sends: theta, momentum
             averager.codec = get_codec(cfg.outer.compression)
             averager.policy, averager.allowed = policy_of(cfg), allowed
             advert = None

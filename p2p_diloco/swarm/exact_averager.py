@@ -267,7 +267,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             stub = self.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.prefix)
             stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
             return await read_state(stream, max_bytes, self.next_chunk_timeout or self.request_timeout,
-                                    self.serializer)
+                                    self.serializer, self.state_shapes)
 
         try:
             metadata, tensors = await asyncio.wait_for(fetch(), timeout=timeout)

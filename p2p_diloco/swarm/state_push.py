@@ -16,19 +16,20 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Sequence
 
 import torch
 
 from hivemind.compression import CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming, split_for_streaming
 
 from ..protocol.push import PushSlot, over_limit, push_targets, slot_refusal
 from ..protocol.records import PeerRecord
+from .sockets import view_of
 
 logger = get_logger(__name__)
 # The answer to a push we did not ask for (hivemind's message codes have no better name for "not expecting this").
@@ -36,12 +37,19 @@ REFUSED = averaging_pb2.NOT_LOOKING_FOR_GROUP
 
 
 async def read_state(messages: AsyncIterator[averaging_pb2.DownloadData], max_bytes: int, chunk_timeout: float,
-                     serializer: Any) -> tuple[Any, list[torch.Tensor]]:
+                     serializer: Any, shapes: Sequence[tuple[int, ...]] | None = None
+                     ) -> tuple[Any, list[torch.Tensor]]:
     """``(metadata, tensors)`` from a stream of ``DownloadData`` messages (a download or a push: the same format,
     metadata with the first chunk, then each tensor's serialised parts). ``ValueError`` once more than
     ``max_bytes`` came; ``TimeoutError`` if a chunk takes more than ``chunk_timeout``. ``metadata`` is None if
-    the stream carried none."""
-    metadata, tensors, parts, received = None, [], [], 0
+    the stream carried none.
+
+    With ``shapes`` (those of our own state: a donated one has exactly ours), the tensors are fp32 of those shapes,
+    allocated before the first byte and filled in place as the parts come (:class:`StateFiller`): a tensor of
+    another dtype, shape or count, or one byte more or less than its size, is refused as it arrives."""
+    metadata, received = None, 0
+    filler = StateFiller(shapes) if shapes is not None else None
+    tensors, parts = [], []
     async for message in aiter_with_timeout(messages, timeout=chunk_timeout):
         received += len(message.metadata) + len(message.tensor_part.buffer)
         problem = over_limit(received, max_bytes)
@@ -49,19 +57,68 @@ async def read_state(messages: AsyncIterator[averaging_pb2.DownloadData], max_by
             raise ValueError(problem)
         if message.metadata:
             metadata = serializer.loads(message.metadata)
+        if filler is not None:
+            filler.add(message.tensor_part)
+            continue
         if message.tensor_part.dtype and parts:  # a dtype marks the first chunk of the next tensor
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
             parts = []
         parts.append(message.tensor_part)
+    if filler is not None:
+        return metadata, filler.result()
     if parts:
         tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
     return metadata, tensors
+
+
+class StateFiller:
+    """Fills fp32 tensors of known shapes from a state's serialised parts (hivemind's uncompressed format: the
+    first part of each tensor names its dtype and shape, every part carries the next bytes), refusing anything else.
+
+    The memory is the state itself, allocated once: no list of parts, no joined copy, no second tensor."""
+
+    def __init__(self, shapes: Sequence[tuple[int, ...]]):
+        self.tensors = [torch.empty(tuple(shape), dtype=torch.float32) for shape in shapes]
+        self.index, self.filled, self.view = -1, 0, memoryview(b"")
+
+    def add(self, part: runtime_pb2.Tensor) -> None:
+        """Take the next part; ValueError if it does not fit our state."""
+        if part.dtype:  # the first part of the next tensor
+            self._check_complete()
+            self.index += 1
+            if self.index >= len(self.tensors):
+                raise ValueError(f"the state has more than our {len(self.tensors)} tensors")
+            ours = self.tensors[self.index]
+            if (part.compression != runtime_pb2.CompressionType.NONE or part.dtype != "float32"
+                    or tuple(part.size) != tuple(ours.shape)):
+                raise ValueError(f"state tensor {self.index} is {part.dtype}{list(part.size)} (compression "
+                                 f"{part.compression}), ours float32{list(ours.shape)} uncompressed")
+            self.view, self.filled = view_of(ours), 0
+        elif self.index < 0:
+            raise ValueError("a state part came before the first tensor's")
+        end = self.filled + len(part.buffer)
+        if end > len(self.view):
+            raise ValueError(f"state tensor {self.index} has more than its {len(self.view)} bytes")
+        self.view[self.filled:end] = part.buffer
+        self.filled = end
+
+    def result(self) -> list[torch.Tensor]:
+        """The tensors, once every one of them came whole; ValueError otherwise."""
+        self._check_complete()
+        if self.index != len(self.tensors) - 1:
+            raise ValueError(f"the state ended after {self.index + 1} of our {len(self.tensors)} tensors")
+        return self.tensors
+
+    def _check_complete(self) -> None:
+        if self.index >= 0 and self.filled != len(self.view):
+            raise ValueError(f"state tensor {self.index} ended after {self.filled} of its {len(self.view)} bytes")
 
 
 class PushMixin:
     """Both ends of a state push, for a ``DecentralizedAverager`` subclass (module docstring)."""
 
     _push_slot: PushSlot | None = None
+    state_shapes: list[tuple[int, ...]] | None = None  # our own state's (theta, then momentum): see read_state
     _push_result: asyncio.Future | None = None
 
     # ------------------------------------------------------------------------------------------ receiving end
@@ -90,7 +147,7 @@ class PushMixin:
 
     async def _read_push(self, requests: AsyncIterator[averaging_pb2.DownloadData], max_bytes: int):
         metadata, tensors = await read_state(requests, max_bytes, self.next_chunk_timeout or self.request_timeout,
-                                             self.serializer)
+                                             self.serializer, self.state_shapes)
         if metadata is None:
             raise ValueError("the push carried no metadata")
         return metadata, tensors

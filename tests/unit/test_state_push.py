@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 from hivemind.compression import serialize_torch_tensor
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
@@ -107,3 +107,39 @@ def test_a_download_stops_reading_at_the_bound():
     assert len(sent) * 1024 < 2 * limit
     meta, tensors = asyncio.run(read_state(stream(messages(META, STATE)), 10**6, 2.0, MSGPackSerializer))
     assert meta == META and all(torch.equal(a, b) for a, b in zip(tensors, STATE, strict=True))
+
+
+SHAPES = [tuple(t.shape) for t in STATE]
+
+
+def read(items, shapes=SHAPES):
+    return asyncio.run(read_state(stream(items), 10**6, 2.0, MSGPackSerializer, shapes))
+
+
+def test_a_state_of_our_shapes_is_filled_in_place():
+    meta, tensors = read(messages(META, STATE))
+    assert meta == META and all(torch.equal(a, b) for a, b in zip(tensors, STATE, strict=True))
+
+
+@pytest.mark.parametrize("state, refusal", [
+    ([STATE[0], torch.ones(5, 3)], r"state tensor 1 is float32\[5, 3\]"),  # a shape of its own choosing
+    ([STATE[0], torch.ones(3, 5, dtype=torch.float64)], "state tensor 1 is float64"),
+    ([*STATE, torch.ones(1)], "more than our 2 tensors"),  # an extra tensor after ours
+    (STATE[:1], "ended after 1 of our 2 tensors"),
+])
+def test_a_state_that_is_not_ours_in_shape_or_count_is_refused(state, refusal):
+    with pytest.raises(ValueError, match=refusal):
+        read(messages(META, state))
+
+
+def test_a_tensor_with_a_byte_more_or_less_than_its_shape_is_refused():
+    """The first part of a tensor declares its shape; the parts must then carry exactly that many bytes."""
+    items = messages(META, STATE)
+    longer = averaging_pb2.DownloadData(tensor_part=runtime_pb2.Tensor(buffer=b"\0"))
+    with pytest.raises(ValueError, match="state tensor 1 has more than its 60 bytes"):
+        read(items + [longer])
+    first = items[0].tensor_part  # tensor 0 (4000 bytes in 4 parts) without the last byte of its first part
+    short = averaging_pb2.DownloadData(metadata=items[0].metadata, tensor_part=runtime_pb2.Tensor(
+        buffer=first.buffer[:-1], size=first.size, dtype=first.dtype, chunks=first.chunks))
+    with pytest.raises(ValueError, match="state tensor 0 ended after 3999 of its 4000 bytes"):
+        read([short] + items[1:])
