@@ -4,6 +4,7 @@ Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-aft
                        [--retry-only-matchmaking]
                        [--codec none|fp16|bf16|int8|int4]
                        [--slow-answers SECONDS] [--trailing-error]
+                       [--transport p2p|tcp] [--fd-headroom K] (and the other hooks: see main)
 Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
 """
 
@@ -163,6 +164,36 @@ def connect_after(marker: str) -> None:
     fastpath.FastAllReduce._send_to = after
 
 
+def low_fd_limit(headroom: int, out: str) -> None:
+    """Start our data port's server as soon as the averager process is up (a peer's stays up from its first round
+    on, so that is what an attacker meets), then allow that process only ``headroom`` more open files. Writes
+    ``out`` + ``.port`` (our data port) once both are done, and ``out`` + ``.refused`` (the connections the server
+    closed at accept: over a cap) after each all-reduce."""
+    import resource
+
+    from p2p_diloco.swarm.data_server import DataServer
+    from p2p_diloco.swarm.exact_averager import ExactAverager
+
+    original_handlers, original_allreduce = ExactAverager.add_p2p_handlers, ExactAverager._fast_allreduce
+
+    async def serving_early(self, *args, **kwargs):  # runs once, in the averager process, before it is ready
+        await original_handlers(self, *args, **kwargs)
+        self._data_server = DataServer(self.data_socket, register_timeout=self._allreduce_timeout or 60.0)
+        await self._data_server.start()
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + headroom, hard))
+        Path(out + ".port.tmp").write_text(str(self.data_socket.getsockname()[1]))
+        os.replace(out + ".port.tmp", out + ".port")  # (whole, or not there)
+
+    async def counting(self, *args, **kwargs):
+        try:
+            return await original_allreduce(self, *args, **kwargs)
+        finally:
+            Path(out + ".refused").write_text(str(self._data_server.refused))
+
+    ExactAverager.add_p2p_handlers, ExactAverager._fast_allreduce = serving_early, counting
+
+
 def rewrite_addresses(rogue: str, out: str) -> None:
     """Issue 18, point 1: a leader that points every follower's data address at ``rogue`` (in the entries it
     relays) before it sends the group out. Writes ``out`` + ``.led`` if it led a group."""
@@ -220,6 +251,8 @@ def main() -> None:
     p.add_argument("--lead", action="store_true", help="peer 0: start looking once the others are up")
     p.add_argument("--follow", action="store_true", help="start looking 1 s after peer 0 (--lead) did")
     p.add_argument("--rewrite-addresses", default=None, help="a leader pointing the followers' data at this address")
+    p.add_argument("--fd-headroom", type=int, default=None,
+                   help="--transport tcp: serve the data port at once, then allow only this many more open files")
     p.add_argument("--expect", type=int, default=None,
                    help="the group size this peer asks for (default: group_size, the number of peers)")
     args = p.parse_args()
@@ -243,6 +276,8 @@ def main() -> None:
         connect_after(args.connect_after)
     if args.rewrite_addresses:
         rewrite_addresses(args.rewrite_addresses, args.out)
+    if args.fd_headroom is not None:
+        low_fd_limit(args.fd_headroom, args.out)
     from p2p_diloco.swarm.identity import Identity
 
     identity = Identity()  # our libp2p identity: it signs our data-plane entry, as in a peer

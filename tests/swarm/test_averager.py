@@ -37,8 +37,10 @@ def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", 
         return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
 
 
-def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p", extra=None):
-    """``extra``: {peer index: more averager_peer.py arguments} (the reducer-side test hooks)."""
+def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p", extra=None,
+         meanwhile=None):
+    """``extra``: {peer index: more averager_peer.py arguments} (the reducer-side test hooks); ``meanwhile``: called
+    once every peer is spawned, before we wait for them (an attack to set up while they start)."""
     extra = extra or {}
     procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec, transport=transport,
                     extra=extra.get(0, ()), victim_in_group=victim is not None)]
@@ -48,6 +50,8 @@ def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", t
         initial = line.split()[1:]
         procs += [_spawn(i, n, tmp_path / f"p{i}", initial, 3 if i == victim else None, tag, attempts, codec,
                          transport, extra.get(i, ()), victim is not None) for i in range(1, n)]
+        if meanwhile is not None:
+            meanwhile()
         deadline = time.monotonic() + timeout
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -229,3 +233,54 @@ def test_a_leader_cannot_hold_two_members_slots(tmp_path, reap, transport):
     assert (tmp_path / "p0.led").exists(), "peer 0 did not lead the group: the attack was not made"
     assert not results[1]["ok"] and not results[2]["ok"], results
     assert any("more than once" in results[i]["error"] for i in (1, 2)), results
+
+
+def test_a_slow_loris_on_a_members_data_port_cannot_stop_the_group(tmp_path, reap):
+    """Issue 18, point 2, with real processes: a stranger holds 300 connections to peer 0's data port (TCP data
+    plane), each sending a header byte every 0.5 s and never a whole header, while peer 0's averager process may
+    open only 150 more files. The group of 3 must still complete its all-reduce with the exact average: peer 0's
+    data server holds at most 64 pending connections per address (it closes the rest at accept) and drops a
+    header not whole within 5 s, so its file descriptors are left for the members. Without those bounds it
+    accepts and keeps every connection, runs out of file descriptors, and the group fails."""
+    import select
+
+    from tests.swarm.test_fastpath import SLOW_LORIS
+
+    n, marker, attackers = 3, tmp_path / "attacked", []
+    # Every peer opens its data-plane connections only once the attack is on (matchmaking may go on before);
+    # only matchmaking is retried, so that a retry cannot hide a failed all-reduce.
+    late = ["--connect-after", str(marker), "--retry-only-matchmaking"]
+
+    def attack():
+        port, deadline = tmp_path / "p0.port", time.monotonic() + 60
+        while not port.exists() and time.monotonic() < deadline:  # peer 0 serves its data port, with few fds
+            time.sleep(0.05)
+        assert port.exists(), "peer 0 never served its data port; its log:\n" + _tail(tmp_path / "p0.log")
+        # A connect timeout: a victim that stops accepting (out of fds) lets its listen backlog fill, and the
+        # kernel then drops new SYNs; a blocking connect would hang the attacker before it says "open".
+        script = "import socket; socket.setdefaulttimeout(2)\n" + SLOW_LORIS
+        attackers.append(subprocess.Popen([sys.executable, "-c", script, port.read_text(), "300", "120"],
+                                          stdout=subprocess.PIPE, text=True, start_new_session=True,
+                                          env=dict(os.environ, P2P_DILOCO_TEST_TAG=reap)))
+        assert select.select([attackers[0].stdout], [], [], 30)[0], "the attacker never opened its connections"
+        assert attackers[0].stdout.readline().strip() == "open"
+        time.sleep(1.0)  # peer 0's server has taken what it takes
+        marker.write_text("")
+
+    try:
+        results = _run(tmp_path, n, reap, attempts=3, transport="tcp", meanwhile=attack,
+                       extra={0: [*late, "--fd-headroom", "150"], 1: late, 2: late})
+        assert attackers and attackers[0].poll() is None, "the attacker was not there all along"
+    finally:
+        for attacker in attackers:
+            attacker.kill()
+            attacker.wait()
+    assert all(r["ok"] for r in results.values()), results
+    assert all(r["group_size"] == n for r in results.values()), results
+    assert len({r["digest"] for r in results.values()}) == 1, "peers ended with different bits"
+    assert int((tmp_path / "p0.refused").read_text()) > 0, "peer 0's server refused nothing: no attack met it"
+    expected = _expected_average(n)
+    got = torch.load(tmp_path / "p0.pt")
+    err = torch.cat([(g - w).flatten() for g, w in zip(got, expected)]).norm() / torch.cat(
+        [w.flatten() for w in expected]).norm()
+    assert err < TOLERANCE["none"], err
