@@ -57,6 +57,8 @@ class ExactAllReduceRunner(AllReduceRunner):
             # had handed us every averaged part of its slice (an error code or a timeout where only the stream's
             # end was still due). Such a failure loses nothing: aborting then made us drop a round that the
             # reducer and the others applied. Only a part still missing makes the result partial.
+            if container.finished.is_set():  # the round is over (done, or aborted: its parts are cleared, and
+                return                          # registering them raised IndexError: deque index out of range)
             missing = container.num_parts_by_peer[peer_index] - container._outputs_registered_by_peer[peer_index]
             register_failed_reducer(peer_index)
             if missing > 0:
@@ -162,12 +164,21 @@ class ExactAllReduceRunner(AllReduceRunner):
                 self.bytes_received += msg.tensor_part.ByteSize()
                 yield msg
 
+        answered = 0
         try:
             async for msg in super().rpc_aggregate_part(counted(stream), context):
                 self.bytes_sent += msg.tensor_part.ByteSize()
                 self._last_answer = time.monotonic()
+                answered += msg.code == averaging_pb2.AVERAGED_PART
                 yield msg
-        finally:  # runs once the transport asked for more after our last answer, or the stream broke
+            if answered == self.tensor_part_reducer.num_parts:
+                # Every part is answered, but not yet received: hivemind closes the stream as soon as this
+                # generator ends, and p2pd's teardown of the libp2p stream can drop what the sender has not read
+                # yet; hivemind's client reads that as a clean end of stream ("sent 9 parts, but we expected 10").
+                # So we stay until the sender hangs up, which it does once it holds all its parts (_CountingStub):
+                # the handler is then cancelled here. The bound only matters for a sender that never does.
+                await asyncio.sleep(self.reducer_timeout or self.sender_timeout or STREAM_OPEN_TIMEOUT)
+        finally:  # runs once the sender hung up after our last answer, or the stream broke
             self._served += 1
             if self._served >= self._to_serve:
                 self._all_served.set()
@@ -194,27 +205,37 @@ class ExactAllReduceRunner(AllReduceRunner):
         return True
 
     def _get_peer_stub(self, peer):
-        return _CountingStub(super()._get_peer_stub(peer), self)
+        return _CountingStub(super()._get_peer_stub(peer), self, peer)
 
 
 class _CountingStub:
-    """Wraps a peer stub: bounds the time to open the stream, and counts the averaged parts streamed back to us.
+    """Wraps a peer stub: bounds the time to open the stream, counts the averaged parts streamed back to us, and
+    hangs up once all of them are in (the reducer waits for that before it closes: see rpc_aggregate_part).
 
     hivemind puts no timeout on opening the stream (the dial to a peer that just died is up to p2pd), so it is
     bounded here like every other wait. This is defensive: the hang actually seen under load was the one that
     :meth:`ExactAllReduceRunner._abort` fixes.
     """
 
-    def __init__(self, stub, runner: ExactAllReduceRunner):
-        self._stub, self._runner = stub, runner
+    def __init__(self, stub, runner: ExactAllReduceRunner, peer):
+        self._stub, self._runner, self._peer = stub, runner, peer
 
     async def rpc_aggregate_part(self, inputs):
-        timeout = self._runner.reducer_timeout or STREAM_OPEN_TIMEOUT
+        runner = self._runner
+        timeout = runner.reducer_timeout or STREAM_OPEN_TIMEOUT
         stream = await asyncio.wait_for(self._stub.rpc_aggregate_part(inputs), timeout=timeout)
+        expected = runner.tensor_part_container.num_parts_by_peer[runner.ordered_peer_ids.index(self._peer)]
 
         async def counted():
-            async for msg in stream:
-                self._runner.bytes_received += msg.tensor_part.ByteSize()
-                yield msg
+            received = 0
+            try:
+                async for msg in stream:
+                    runner.bytes_received += msg.tensor_part.ByteSize()
+                    yield msg
+                    received += 1
+                    if received == expected:  # every part of this slice is in: hang up (closes our end)
+                        break
+            finally:
+                await stream.aclose()
 
         return counted()
