@@ -20,6 +20,10 @@ log = logging.getLogger("p2p_diloco.swarm")
 # all and per remote address, and a header must arrive whole within HEADER_TIMEOUT, so that idle or trickling
 # connections (slow-loris) cannot exhaust our file descriptors and shut out a group's members. Per address: a
 # reducer takes one connection from each other member at once, and a local swarm's members share 127.0.0.1.
+# When all MAX_PENDING are held, a new connection evicts the oldest pending one instead of being refused: headers
+# naming made-up groups wait for a registration that never comes, and would otherwise hold every slot for the
+# whole register timeout while the members' connections, which a registered all-reduce takes as soon as their
+# header is in, were turned away at accept.
 HEADER_TIMEOUT = 5.0
 MAX_PENDING = 128
 MAX_PENDING_PER_ADDRESS = 64
@@ -37,7 +41,10 @@ class DataServer:
         self._accepting: asyncio.Task | None = None
         self._handlers: set[asyncio.Task] = set()
         self.pending: collections.Counter[str] = collections.Counter()  # remote address -> pending connections
-        self.refused = 0  # connections closed at accept: over a cap
+        self._pending_tasks: dict[asyncio.Task, str] = {}  # the pending connections' tasks, oldest first
+        self._waiters: collections.Counter[bytes] = collections.Counter()  # group key -> connections waiting for it
+        self.refused = 0  # connections closed at accept: over the per-address cap
+        self.evicted = 0  # pending connections closed to make room for a new one (over the total cap)
         self.unauthenticated = 0  # connections dropped because their header was not a member's
 
     async def start(self) -> None:
@@ -61,13 +68,19 @@ class DataServer:
                 await asyncio.sleep(0.1)
                 continue
             address = remote[0] if isinstance(remote, tuple) else str(remote)
-            if sum(self.pending.values()) >= self.max_pending or self.pending[address] >= self.max_pending_per_address:
+            if self.pending[address] >= self.max_pending_per_address:
                 self.refused += 1
                 conn.close()
                 continue
+            if len(self._pending_tasks) >= self.max_pending:
+                oldest = next(iter(self._pending_tasks))
+                self._release(oldest)  # counted free at once: its socket closes when the task wakes up, cancelled
+                oldest.cancel()
+                self.evicted += 1
             self.pending[address] += 1
             tune(conn)
             task = asyncio.ensure_future(self._on_connection(conn, address))
+            self._pending_tasks[task] = address
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -87,7 +100,7 @@ class DataServer:
             slot.cancel()
 
     async def _on_connection(self, conn: socket.socket, address: str) -> None:
-        key, allreduce, pending = None, None, True
+        key, allreduce, me = None, None, asyncio.current_task()
         try:
             header = bytearray(HEADER_SIZE)
             # the whole header within header_timeout (a deadline in total, not between bytes: slow-loris)
@@ -95,10 +108,9 @@ class DataServer:
             if header[:len(MAGIC)] != MAGIC:
                 return
             key = bytes(header[len(MAGIC):len(MAGIC) + 16])
-            allreduce = await asyncio.wait_for(asyncio.shield(self._slot(key)), self.register_timeout)
+            allreduce = await self._registered(key)
             sender = allreduce.authenticate(bytes(header))  # DataAuthError: not a member's, or not its first
-            self._release(address)  # a member of one of our groups: no longer a stranger's connection
-            pending = False
+            self._release(me)  # a member of one of our groups: no longer a stranger's connection
             await allreduce.serve(conn, sender)
         except DataAuthError as e:  # someone else's bytes: drop them; the member it named may still come
             self.unauthenticated += 1
@@ -106,14 +118,29 @@ class DataServer:
         except Exception as e:  # a timeout, a socket error, a FastPathError, or a bug: fail fast, never hang
             if allreduce is not None:  # a member's part is lost: our slice can never be complete
                 allreduce.abort(f"a sender's part was lost: {type(e).__name__}: {e}")
-            elif key is not None and key in self.groups and not self.groups[key].done():
-                self.groups.pop(key).cancel()  # nobody registered this key in time: forget it
         finally:
-            if pending:
-                self._release(address)
+            self._release(me)
             conn.close()
 
-    def _release(self, address: str) -> None:
+    async def _registered(self, key: bytes) -> FastAllReduce:
+        """The all-reduce registered under ``key``, waited for at most ``register_timeout``. A key that nobody
+        registered is forgotten when its last waiter leaves (timed out, or evicted): made-up keys leave nothing."""
+        slot = self._slot(key)
+        self._waiters[key] += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(slot), self.register_timeout)
+        finally:
+            self._waiters[key] -= 1
+            if self._waiters[key] <= 0:
+                del self._waiters[key]
+                if not slot.done() and self.groups.get(key) is slot:
+                    self.groups.pop(key).cancel()
+
+    def _release(self, task: asyncio.Task) -> None:
+        """No longer count ``task``'s connection as pending (once: later calls do nothing)."""
+        address = self._pending_tasks.pop(task, None)
+        if address is None:
+            return
         self.pending[address] -= 1
         if self.pending[address] <= 0:
             del self.pending[address]

@@ -4,6 +4,7 @@ member with every codec, and all-or-nothing when a member vanishes or an outside
 import asyncio
 import contextvars
 import os
+import socket
 
 import pytest
 import torch
@@ -288,6 +289,60 @@ def test_a_reduction_still_running_after_an_abort_keeps_the_runner_unsettled(mon
 
     before, after = asyncio.run(main())
     assert before == [False, False] and after == [True, True]
+
+
+def test_headers_for_made_up_groups_cannot_shut_the_members_out():
+    """Issue 18, point 2: a stranger fills every pending slot of a reducer's data port with well-formed headers
+    naming groups that do not exist (each waits for a registration that never comes), from two addresses, and
+    reopens any connection that is closed. The members' connections must still get in: a new connection evicts the
+    oldest pending one, and the members' are taken as soon as their header is in. Before, the slots were held for
+    the whole register timeout and every member's connection was refused at accept."""
+    async def flood(port: int, stop: asyncio.Event, opened: list[int]) -> None:
+        loop, conns = asyncio.get_running_loop(), []
+        while not stop.is_set():
+            conns = [c for c in conns if c.fileno() != -1 and not _closed_by_peer(c)]
+            while len(conns) < 40:  # 20 per address: twice the total cap, under the per-address one
+                sock = socket.socket()
+                sock.bind((f"127.0.0.{2 + len(conns) % 2}", 0))
+                sock.setblocking(False)
+                await loop.sock_connect(sock, ("127.0.0.1", port))
+                await loop.sock_sendall(sock, MAGIC + os.urandom(HEADER_SIZE - len(MAGIC)))  # a made-up group
+                conns.append(sock)
+                opened[0] += 1
+            await asyncio.sleep(0.02)
+        for sock in conns:
+            sock.close()
+
+    async def main():
+        n = 3
+        servers, runners = await _members(n, get_codec("none"), _vectors(n), [1.0] * n, os.urandom(20))
+        servers[0].max_pending = 8
+        port, stop, opened = int(runners[0].addresses[0].split(":")[1]), asyncio.Event(), [0]
+        attack = asyncio.ensure_future(flood(port, stop, opened))
+        try:
+            while opened[0] < 40:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # every slot of member 0 is held by a header waiting for a made-up group
+            outs = await asyncio.wait_for(asyncio.gather(*(r.run(2.0, 10.0) for r in runners)), 30)
+            return outs, servers[0].evicted, len(servers[0].groups), opened[0]
+        finally:
+            stop.set()
+            await attack
+            await _close(servers)
+
+    outs, evicted, groups, opened = asyncio.run(main())
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert evicted > 0 and opened > 40  # the stranger's connections were evicted, and it kept reopening them
+    assert groups <= 8 + 1  # made-up keys are forgotten with their last waiter (at most one per pending slot)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 SLOW_LORIS = r"""
 import socket, sys, time
