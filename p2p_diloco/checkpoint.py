@@ -157,6 +157,25 @@ class CheckpointStore:
                 old.unlink()
         return final
 
+    def check_usable(self) -> None:
+        """Create the directory if it is missing and make sure a file can be written in it: at start-up, before the
+        peer joins a swarm (otherwise a run finds out at its first round boundary).
+
+        Raises:
+            CheckpointError: (one line) the path is a file, or the directory cannot be created or written.
+        """
+        d = self.directory
+        if d.exists() and not d.is_dir():
+            raise CheckpointError(f"checkpoint directory {d} is a file, not a directory: give a directory (it is "
+                                  f"created if missing)")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=d)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint directory {d} is not usable: {e.strerror or e}") from None
+
     def paths(self) -> list[Path]:
         """Existing checkpoint files, oldest to newest by round number (stray and ``.tmp-`` files ignored)."""
         if not self.directory.is_dir():
@@ -212,17 +231,44 @@ def _round_of(path: Path) -> int:
     return int(_NAME.fullmatch(path.name).group(1))
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+
+
+def read_failure(path: Path, exc: Exception) -> str:
+    """Why ``torch.load`` could not read ``path``, in words (torch's own texts span lines and give advice about
+    ``weights_only`` that does not apply): missing, empty, not a torch file, truncated, or refused content."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:  # missing, a directory, no permission
+        return e.strerror or type(e).__name__
+    if not head:
+        return "the file is empty (truncated or corrupt)"
+    if head != _ZIP_MAGIC:
+        return "not a p2p-diloco checkpoint (not a file written by torch.save)"
+    refused = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(exc))
+    if refused:
+        return (f"it names the Python global {refused.group(1)!r}, which a checkpoint never does (refused unread: "
+                f"it could run code)")
+    if "Weights only load failed" not in str(exc):
+        return "the file is truncated or corrupt (an incomplete copy, or damaged on disk)"
+    return "the file is corrupt (its contents are not what torch.save writes)"
+
+
 def _read(path: Path, fingerprint: str | None) -> PeerState:
     """Load ``path`` and check format, field types, theta against its digest and theta/momentum shapes."""
     try:
         with torch.serialization.safe_globals(_NUMPY_ARRAY):
             payload = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # truncated zip, garbage, a pickle of anything else, missing file: "cannot read"
-        reason = " ".join(str(exc).split())[:200] or type(exc).__name__  # torch errors span several lines
-        raise CheckpointError(f"cannot read checkpoint {path}: {reason}") from exc
+        raise CheckpointError(f"cannot read checkpoint {path}: {read_failure(path, exc)}") from exc
     version = payload.get("format") if isinstance(payload, dict) else None
+    if version is None:
+        raise CheckpointError(f"{path} is not a p2p-diloco checkpoint (a torch file without the format field a "
+                              f"checkpoint has; a model's weights, perhaps)")
     if version != FORMAT and version not in OLD_FORMATS:
-        raise CheckpointError(f"checkpoint {path} has unknown format {version!r} (expected {FORMAT})")
+        raise CheckpointError(f"checkpoint {path} has unknown format {version!r} (expected {FORMAT}: written by "
+                              f"another version of p2p-diloco?)")
     types = {"round": int, "fingerprint": str, "global_digest": str, "theta": list, "momentum": list,
              "model": dict, "inner_optimizer": dict, "data": dict, "rng": dict, "extra": dict}
     for key, kind in types.items():
@@ -282,8 +328,7 @@ class ShardFiles:
             ok = (payload["shard"] == j and payload["round"] == round_ and payload["fingerprint"] == fingerprint
                   and theta_j.shape == momentum_j.shape and shard_digest(theta_j, momentum_j) == want_digest)
         except Exception as exc:
-            reason = " ".join(str(exc).split())[:200] or type(exc).__name__
-            raise CheckpointError(f"cannot read shard checkpoint {path}: {reason}") from exc
+            raise CheckpointError(f"cannot read shard checkpoint {path}: {read_failure(path, exc)}") from exc
         if not ok:
             raise CheckpointError(f"shard checkpoint {path} is corrupt or not the one the round's checkpoint recorded")
         return theta_j, momentum_j

@@ -14,8 +14,14 @@ class SwarmError(UsageError):
 
 
 class ConfigMismatch(SwarmError):
-    """A live peer of the same run id uses another model/tokenizer/outer config."""
+    """A live peer of the same run id uses another config: a fingerprinted setting (model, tokenizer, outer, ...) or
+    a shared one (H, the lr schedule, the protocol's timeouts; :mod:`p2p_diloco.config.sharing`)."""
 
 
 class RoundFailed(RuntimeError):
     """An all-reduce did not complete for every value; nothing was applied."""
+
+
+class RunError(RuntimeError):
+    """The run cannot go on as asked (a checkpoint cannot be written). The peer stops; the CLI prints one line and
+    exits with code 1."""

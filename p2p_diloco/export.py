@@ -78,24 +78,43 @@ def load_trained(checkpoint: str | Path, config_path: str | None = None, sets: I
     model = build_model(cfg.model, vocab_size(tokenizer), cfg.run.seed)
     params = list(model.parameters())
     if state.extra.get("shard_digests") is not None:  # outer.sharding = sharded: theta is in the shard files
-        state.theta = _theta_from_shards(state, path, params)
+        state.theta = _theta_from_shards(state, path, params, cfg)
     shapes = [tuple(p.shape) for p in params]
     saved = [tuple(t.shape) for t in state.theta]
     if shapes != saved:
-        raise ConfigError(f"checkpoint {path} holds {len(saved)} tensors of other shapes than this config's model "
-                          f"({len(shapes)} tensors): pass the run's --config")
+        raise ConfigError(_model_mismatch(path, state, cfg, f"{len(saved)} tensors of other shapes than this "
+                                                            f"config's model ({len(shapes)} tensors)"))
     load_into(params, state.theta)
     return Trained(cfg, state, path, model.eval(), tokenizer)
 
 
-def _theta_from_shards(state: PeerState, path: Path, params) -> list:
+_SHAPE_SECTIONS = ("model", "tokenizer")  # what decides the model's tensors and their shapes
+
+
+def _model_mismatch(path: Path, state: PeerState, cfg: Config, what: str) -> str:
+    """One line: the checkpoint's weights do not fit the model ``cfg`` describes, and which settings differ from the
+    run's own (kept in the checkpoint), or, for a checkpoint that kept none, which config to pass."""
+    saved = state.extra.get("config")
+    if not isinstance(saved, dict):
+        return f"checkpoint {path} holds {what}, and keeps no config of its run: pass that run's --config"
+    ours = cfg.to_dict()
+    diffs = [f"{section}.{key}={value!r} (the run's: {saved[section].get(key)!r})"
+             for section in _SHAPE_SECTIONS if isinstance(saved.get(section), dict)
+             for key, value in ours[section].items() if saved[section].get(key) != value]
+    if not diffs:
+        return f"checkpoint {path} holds {what}"
+    return (f"checkpoint {path} was trained with another model shape: {', '.join(diffs)}; its weights do not fit "
+            f"(leave these settings out: eval and export take the run's model from the checkpoint)")
+
+
+def _theta_from_shards(state: PeerState, path: Path, params, cfg: Config) -> list:
     """theta whole, from the checkpoint's shard files (each verified against the digest the checkpoint recorded)."""
     files, digests = ShardFiles(path.parent), state.extra["shard_digests"]
     flat = torch.cat([files.load(j, state.round, state.fingerprint, d)[0] for j, d in enumerate(digests)])
     sizes = [p.numel() for p in params]
     if flat.numel() != sum(sizes):
-        raise ConfigError(f"checkpoint {path} holds {flat.numel()} values, this config's model {sum(sizes)}: pass "
-                          f"the run's --config")
+        raise ConfigError(_model_mismatch(path, state, cfg, f"{flat.numel()} values, this config's model "
+                                                            f"{sum(sizes)}"))
     return [t.view(p.shape).clone() for t, p in zip(flat.split(sizes), params)]
 
 

@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -c constraints.txt torch==2.13.0
-.venv/bin/python -m pip install -q -c constraints.txt -e '.[test,bench,tensorboard,wandb]'
+.venv/bin/python -m pip install -q -c constraints.txt -e '.[test,bench,plot,tensorboard,wandb]'
 echo "installed: $(.venv/bin/p2p-diloco --help >/dev/null && echo .venv/bin/p2p-diloco)"

@@ -10,42 +10,31 @@ import argparse
 import json
 import logging
 import os
-import signal
 import threading
 from pathlib import Path
 
 from ..config import Config
-from ..errors import SwarmError, UsageError
+from ..errors import ConfigError, SwarmError, UsageError
 from ..metrics import EventLog
 from ..metrics.sinks import FanOut, TensorBoardSink, WandbSink, check_sinks
+from ..runtime.signals import StopSignals
 from .parser import load_join_config, validate_maddr
 from .status_view import format_view, swarm_view
-from .util import ENV_INITIAL_PEERS, STDERR_HANDLER, write_json_atomic
+from .util import ENV_INITIAL_PEERS, EXIT_USAGE, STDERR_HANDLER, write_json_atomic
 
 log = logging.getLogger("p2p_diloco")
 
 
-def _install_stop_handlers(stop: threading.Event, quiet: bool = False) -> None:
-    """First SIGINT/SIGTERM: stop at the next safe point. Second: interrupt now (cleanup still runs).
-
-    hivemind forks the DHT and averager processes from this one, and a fork inherits these handlers: in a child
-    they re-raise the signal with the default action, so a signal sent to the whole group still ends the children.
+def _install_stop_handlers(stop: threading.Event, quiet: bool = False, starting: bool = False) -> StopSignals:
+    """SIGINT/SIGTERM handlers (:mod:`p2p_diloco.runtime.signals`). First signal: stop at the next safe point
+    (``stop`` is set); second: interrupt now (cleanup still runs). With ``starting``, until the returned object's
+    ``running()``, the first signal interrupts at once (nothing to save yet). Its ``exit_code`` is the command's:
+    128 + the first signal's number, or 0.
     """
-    main_pid = os.getpid()
-
-    def handler(signum, frame):
-        if os.getpid() != main_pid:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        if stop.is_set():
-            raise KeyboardInterrupt
-        if not quiet:
-            log.warning("received %s: stopping after the current step", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    signals = StopSignals(stop, quiet).install()
+    if not starting:
+        signals.running()
+    return signals
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -55,13 +44,29 @@ def cmd_join(args: argparse.Namespace) -> int:
         args: The parsed ``join`` command line.
 
     Returns:
-        The exit code, 0.
+        The exit code: 0, or 128 + the signal's number when SIGINT/SIGTERM stopped the peer (130, 143).
     """
     check_sinks(args.metrics, args.log_dir)
     cfg = load_join_config(args)
     from ..local.cluster import Cluster
+    from .adopt import adopt_run_config, cluster_config
 
     cluster = Cluster.from_env(cfg)  # launched by torchrun with several local ranks
+    # the run's published config under ours, before anything is built (the model comes from it)
+    own_data = cfg.data.path
+    cfg, notices = cluster_config(args, cfg, cluster) if cluster else adopt_run_config(args, cfg)
+    if cfg is None:  # a follower whose rank 0 could not adopt the run's config (rank 0 says why)
+        cluster.close()
+        return EXIT_USAGE
+    from ..training.sources import check_data_source
+
+    try:  # a bad local data.path: one line in a tenth of a second, before torch is loaded
+        check_data_source(cfg.data)
+    except ConfigError as e:
+        if cfg.data.path == own_data:
+            raise
+        raise ConfigError(f"{e} (data.path {cfg.data.path!r} is the run's, adopted from its published config: "
+                          f"give this machine's own data with --set data.path=...)") from None
     if cluster and cluster.rank != 0:  # a follower: no swarm, no output; rank 0 is the peer
         from ..local.follower import follow
 
@@ -70,31 +75,37 @@ def cmd_join(args: argparse.Namespace) -> int:
         finally:
             cluster.close()
         return 0
-    summary = _run_peer(args, cfg, cluster)
+    summary, code = _run_peer(args, cfg, cluster, notices)
     if args.summary_json:
         write_json_atomic(args.summary_json, summary)
     log.info("summary: %s", json.dumps(summary))
-    return 0
+    return code
 
 
-def _run_peer(args: argparse.Namespace, cfg: Config, cluster) -> dict:
-    """Build and run the peer (rank 0 of a cluster, if any); its end-of-run summary."""
+def _run_peer(args: argparse.Namespace, cfg: Config, cluster, notices: list[str]) -> tuple[dict, int]:
+    """Build and run the peer (rank 0 of a cluster, if any); its end-of-run summary and the exit code.
+
+    Until the first round starts a stop signal aborts at once (nothing to save); from then on it stops the peer at
+    the next safe point (see :func:`_install_stop_handlers`)."""
     from ..peer.build import build_peer
     from ..swarm.swarm import Swarm
+    from .adopt import with_notices
+    from .live import StatusLine
 
     stop = threading.Event()
-    _install_stop_handlers(stop)
+    signals = _install_stop_handlers(stop, starting=True)
     events = EventLog(None)
-    metrics = FanOut([events])
-    on_started = _on_started(args, cfg, stop, events, metrics)
+    metrics = FanOut([StatusLine(), events])  # the status line first: FanOut shows status texts on its first sink
+    on_started = with_notices(_on_started(args, cfg, stop, events, metrics), notices)  # the adoption's notices
     try:
         try:
-            peer = build_peer(cfg, metrics, Swarm, stop=stop, on_started=on_started, cluster=cluster)
+            peer = build_peer(cfg, metrics, Swarm, stop=stop, on_started=on_started, cluster=cluster,
+                              on_training=signals.running)
         except BaseException:  # e.g. a checkpoint we cannot resume: the other ranks wait for our first command
             if cluster:
                 cluster.stop_followers()
             raise
-        return peer.run()
+        return peer.run(), signals.exit_code
     finally:
         metrics.close()
         if cluster:
@@ -105,7 +116,6 @@ def _on_started(args: argparse.Namespace, cfg: Config, stop: threading.Event, ev
     """The callback run once the peer's swarm is up: print the join line, start the metric sinks."""
 
     def on_started(swarm) -> None:
-        _install_stop_handlers(stop)  # hivemind set SIGINT to SIG_IGN when the averager started
         STDERR_HANDLER.setLevel(logging.INFO)  # until now only errors: bad input must give a one-line error
         # a client-mode peer is reachable at no address: it hands on the entry points it joined through
         maddrs = cfg.swarm.initial_peers if cfg.swarm.client_mode else swarm.visible_maddrs()
@@ -130,7 +140,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         args: The parsed ``bootstrap`` command line.
 
     Returns:
-        The exit code, 0.
+        The exit code: 128 + the number of the signal that stopped it (130 for SIGINT, 143 for SIGTERM).
 
     Raises:
         SwarmError: The node's DHT process died.
@@ -144,10 +154,10 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
     node = BootstrapNode(host, announce, args.identity_path, args.startup_timeout, initial)
     stop = threading.Event()
-    _install_stop_handlers(stop)
+    signals = _install_stop_handlers(stop, starting=True)  # a signal during the start aborts it at once
     node.start()
     try:
-        _install_stop_handlers(stop)
+        signals.running()
         print(f"p2p-diloco join --initial-peers {' '.join(node.visible_maddrs())}", flush=True)
         log.info("bootstrap node %s up; Ctrl-C to stop", node.peer_id)
         while not stop.wait(1.0):
@@ -155,7 +165,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                 raise SwarmError("the DHT process of the bootstrap node died")
     finally:
         node.shutdown()
-    return 0
+    return signals.exit_code
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -165,7 +175,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         args: The parsed ``status`` command line.
 
     Returns:
-        The exit code, 0.
+        The exit code: 0, or 128 + the number of the signal that stopped ``--watch`` (130 for SIGINT, 143 for
+        SIGTERM).
     """
     peers = args.initial_peers or os.environ.get(ENV_INITIAL_PEERS, "").split()
     if not peers:
@@ -179,15 +190,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     from ..swarm.status import StatusClient
 
     stop = threading.Event()
-    _install_stop_handlers(stop, quiet=True)
+    signals = _install_stop_handlers(stop, quiet=True, starting=True)  # StatusClient's start_dht cleans up
     client = StatusClient(peers, run_id, args.startup_timeout)
+    signals.running()
     try:
-        _install_stop_handlers(stop, quiet=True)
         while True:
             view = swarm_view(run_id, client.read_live_records())
             print(json.dumps(view) if args.json else format_view(view), flush=True)
             if args.watch is None or stop.wait(args.watch):
-                return 0
+                return signals.exit_code
             if not args.json:
                 print(flush=True)
     finally:

@@ -1,7 +1,8 @@
 """``p2p-diloco swarm``: N ``join`` processes on 127.0.0.1, progress on the terminal, a table at the end.
 
-Each peer runs in its own process group (its python, DHT, averager and p2pd processes), so the group can be
-killed as a unit: nothing is left behind after a normal end, a peer crash, or Ctrl-C.
+Each peer runs in its own process group (its python, DHT and averager processes), so the group can be killed as a
+unit: nothing is left behind after a normal end, a peer crash, or Ctrl-C. (Each p2pd runs in a group of its own and
+dies with the DHT process that started it: :mod:`p2p_diloco.swarm.starting`.)
 """
 
 from __future__ import annotations
@@ -16,8 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from .live import SWARM_REFRESH, SwarmView
+from .plot import plot_if_available
 from .util import write_json_atomic
-from ..metrics.events import Event
+from ..errors import RunError
+from ..metrics import short_id
+from ..runtime.signals import Interrupted, interrupted_exit_code
 from ..runtime.peer_process import JOIN_LINE, PeerProcess, PeerStartError, parse_join_line, stop_all
 
 __all__ = ["JOIN_LINE", "STARTUP_TIMEOUT", "STOP_GRACE", "cmd_swarm", "format_table", "parse_join_line",
@@ -54,17 +59,9 @@ def _summary_path(log_dir: Path, index: int) -> Path:
 
 
 def _spawn(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> PeerProcess:
-    return PeerProcess(_join_args(args, index, log_dir, initial), stderr=log_dir / f"peer{index}.stderr.log")
-
-
-def _status_line(index: int, peer: PeerProcess, log_dir: Path) -> str:
-    events = peer.events(log_dir)
-    last = events[-1] if events else {}
-    evals = [e["loss"] for e in events if e.get("event") == Event.EVAL]
-    loss = f"eval {evals[0]:.3f}->{evals[-1]:.3f}" if evals else "eval -"
-    state = "running" if peer.poll() is None else f"exited {peer.returncode}"
-    return (f"  peer{index} {(peer.peer_id or '?')[-8:]:>8} round {last.get('round', 0):>3} "
-            f"{last.get('event', 'starting'):<16} {loss:<18} {state}")
+    # -P: the user's working directory stays off the peers' import path (a stray grp.py there broke every peer)
+    return PeerProcess(_join_args(args, index, log_dir, initial), python_args=("-P",),
+                       stderr=log_dir / f"peer{index}.stderr.log")
 
 
 def stop_peers(peers: list[PeerProcess], grace: float = STOP_GRACE) -> None:
@@ -79,8 +76,10 @@ def _start_all(args: argparse.Namespace, log_dir: Path, peers: list[PeerProcess]
     peers.append(_spawn(args, 0, log_dir, []))
     try:
         peers[0].wait_joined(STARTUP_TIMEOUT)
-    except PeerStartError:
-        raise RuntimeError(f"peer0 did not start (see {log_dir / 'peer0.stderr.log'})") from None
+    except PeerStartError as e:
+        lines = [line for line in str(e).splitlines()[1:] if line.strip()]  # the stderr tail: its last line says why
+        why = f": {lines[-1].strip()}" if lines else ""
+        raise RunError(f"peer0 did not start{why} (see {log_dir / 'peer0.stderr.log'})") from None
     for i in range(1, args.peers):
         peers.append(_spawn(args, i, log_dir, peers[0].maddrs))
 
@@ -106,7 +105,7 @@ def format_table(summaries: list[dict]) -> str:
     for s in summaries:
         loss = f"{f(s.get('eval_loss_first'), '.4f')} -> {f(s.get('eval_loss_last'), '.4f')}"
         rows.append(
-            f"{(s.get('peer_id') or '?')[-10:]:<10} {f(s.get('rounds_completed'), 'd'):>6} {loss:>22} "
+            f"{short_id(s.get('peer_id')):<10} {f(s.get('rounds_completed'), 'd'):>6} {loss:>22} "
             f"{f(s.get('tokens_trained'), ',d'):>10} {f((s.get('bytes_sent') or 0) / 1e6, '.2f'):>8} "
             f"{f((s.get('bytes_received') or 0) / 1e6, '.2f'):>8} {(s.get('global_digest') or '-')[:12]:<14} "
             f"{s.get('exit_code')}"
@@ -120,7 +119,7 @@ def _interrupt_on(*signals: int) -> None:
     default action would kill us without stopping the peers, which live in their own sessions."""
 
     def handler(signum, frame):
-        raise KeyboardInterrupt
+        raise Interrupted(signum)
 
     for sig in signals:
         signal.signal(sig, handler)
@@ -141,21 +140,19 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"swarm of {args.peers} peers; logs in {log_dir}", flush=True)
     peers: list[PeerProcess] = []
-    interrupted = False
+    interrupted: int | None = None  # the signal that stopped us
     _interrupt_on(signal.SIGINT, signal.SIGTERM)
     try:
         _start_all(args, log_dir, peers)
         print("  join this swarm with: " + " ".join(shlex.quote(a) for a in
-              ["p2p-diloco", "join", "--initial-peers", *peers[0].maddrs]), flush=True)
-        shown = ""
-        while any(p.poll() is None for p in peers):
-            time.sleep(1.0)
-            status = "\n".join(_status_line(i, p, log_dir) for i, p in enumerate(peers))
-            if status != shown:
-                print(status, flush=True)
-                shown = status
-    except KeyboardInterrupt:
-        interrupted = True
+              ["p2p-diloco", "join", "--initial-peers", *peers[0].maddrs, "--run-id", peers[0].run_id or ""]),
+              flush=True)  # all a joiner needs: it adopts the run's config (cli/adopt.py)
+        with SwarmView(peers, log_dir) as view:  # rows updated in place on a terminal, plain lines otherwise
+            while any(p.poll() is None for p in peers):
+                time.sleep(SWARM_REFRESH)
+                view.update()
+    except KeyboardInterrupt as e:
+        interrupted = getattr(e, "signum", signal.SIGINT)
         print("interrupted: stopping every peer", file=sys.stderr, flush=True)
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not skip the cleanup
@@ -168,7 +165,9 @@ def cmd_swarm(args: argparse.Namespace) -> int:
     print(f"all digests agree: {'yes' if all_equal else 'NO'}", flush=True)
     if args.summary_json:
         write_json_atomic(args.summary_json, {"peers": summaries, "all_digests_equal": all_equal})
-    if interrupted:
-        return 130
+    if (png := plot_if_available(log_dir)) is not None:  # matplotlib is optional
+        print(f"plot: {png}", flush=True)
+    if interrupted is not None:  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        return interrupted_exit_code(interrupted)
     failed = any(s["exit_code"] != 0 for s in summaries) or len(summaries) < args.peers
     return 1 if failed or not all_equal else 0

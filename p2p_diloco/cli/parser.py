@@ -114,7 +114,8 @@ def _add_network_parsers(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of every subcommand: ``join``, ``swarm``, ``bootstrap``, ``status``, ``eval``, ``export``.
+    """The parser of every subcommand: ``join``, ``swarm``, ``bootstrap``, ``status``, ``eval``, ``export``,
+    ``plot``.
 
     Returns:
         The parser; its ``command`` attribute names the subcommand.
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["eval"].add_argument("--json", action="store_true", help="print the result as one JSON object")
     sub.choices["export"].add_argument("--out", required=True, metavar="DIR",
                                        help="new (or empty) directory for save_pretrained files")
+    plot = sub.add_parser("plot", help="draw a run's eval loss, round time, bytes and group size into a PNG")
+    plot.add_argument("--log-dir", required=True, metavar="DIR",
+                      help="the --log-dir of a join or swarm run (its <peer id>/events.jsonl files)")
+    plot.add_argument("--out", metavar="FILE.png", help="the PNG to write (default: DIR/plot.png)")
     return parser
 
 

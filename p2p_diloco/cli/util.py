@@ -30,6 +30,12 @@ def setup_logging(level: int) -> None:
     root.setLevel(logging.INFO)
     for noisy in ("datasets", "transformers", "filelock", "urllib3", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # huggingface_hub prints every retry twice (its own handler and ours); its errors reach us as exceptions anyway.
+    logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
+    # No tqdm bars from datasets ("Generating train split"), the hub or transformers (which follows the hub's
+    # setting): read when those libraries are first imported, which is after this. "0" in the environment keeps them.
+    for var in ("HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(var, "1")
 
 
 def write_json_atomic(path: str | Path, obj) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 from pathlib import Path
-from typing import Any, Iterable, Literal, Mapping, get_origin
+from typing import Any, Iterable, Literal, Mapping, get_args, get_origin
 
 from ..errors import ConfigError
 from .checks import validate
@@ -42,6 +42,8 @@ def _coerce(where: str, annotation: Any, value: Any) -> Any:
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return list(value)
         raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+    if get_origin(annotation) is Literal and isinstance(value, bool) and str(value).lower() in get_args(annotation):
+        return str(value).lower()  # data.streaming=false, unquoted, as a user types it (TOML reads a bool)
     if annotation is str or get_origin(annotation) is Literal:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

@@ -1,4 +1,5 @@
-"""Metrics behind a small interface: machine-readable events, a human log, and a terminal status line.
+"""Metrics behind a small interface: machine-readable events, a human log, and a status line (shown by the CLI's
+live view, :mod:`p2p_diloco.cli.live`).
 
 Event names and fields are an interface other tools rely on (``p2p-diloco swarm``, tests, benchmarks):
 ``round_start``, ``allreduce_start``, ``allreduce_done`` (group_size, bytes_sent, bytes_received, seconds),
@@ -10,13 +11,44 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 log = logging.getLogger("p2p_diloco")
+
+SHORT_ID = 10  # characters of a peer id that people read (the ids differ in their last characters: 'Qm...' is common)
+PEER_FIELDS = ("peer", "from_peer", "peers", "members")  # event fields that name peers: shortened in the human log
+# Fields that hold a SHA-256 digest or a certificate id: their first 12 hex characters in the human log (as in the
+# swarm's table); 64 characters made every round's lines wrap on a terminal.
+DIGEST_FIELDS = ("digest", "ours", "theirs", "majority", "certificate")
+SHORT_DIGEST = 12
+
+
+def short_id(peer_id: str | None) -> str:
+    """The abbreviation of a peer id that every human-readable output uses (``join``'s log, ``swarm``'s rows and
+    table, ``status``): its last :data:`SHORT_ID` characters. Files and JSON keep whole ids.
+
+    Args:
+        peer_id: a libp2p peer id (base58), or None when it is not known yet.
+
+    Returns:
+        The abbreviation, or ``"?"`` for None.
+    """
+    return peer_id[-SHORT_ID:] if peer_id else "?"
+
+
+def _human(key: str, value: Any) -> Any:
+    if key in DIGEST_FIELDS and isinstance(value, str):
+        return value[:SHORT_DIGEST]
+    if key not in PEER_FIELDS:
+        return value
+    if isinstance(value, str):
+        return short_id(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(short_id(v) if isinstance(v, str) else str(v) for v in value) + "]"
+    return value
 
 
 class Metrics:
@@ -33,20 +65,17 @@ class Metrics:
 
 
 class EventLog(Metrics):
-    """Writes ``events.jsonl`` (one JSON object per line) and ``peer.log`` into ``log_dir``.
+    """Writes ``events.jsonl`` (one JSON object per line) and ``peer.log`` into ``log_dir``, and logs every event as
+    one INFO line (peer ids shortened by :func:`short_id`, digests to 12 characters; ``events.jsonl`` keeps
+    them whole).
 
     Args:
-        log_dir: the peer's own folder, or None for no files.
-        stream: where status lines go (stderr by default); a TTY gets an in-place line, anything else gets
-            throttled plain lines so that logs stay readable.
+        log_dir: the peer's own folder, or None for no files (yet: see :meth:`set_dir`).
     """
 
-    def __init__(self, log_dir: str | Path | None, stream: TextIO | None = None, status_every: float = 5.0):
+    def __init__(self, log_dir: str | Path | None = None):
         self._lock = threading.Lock()
         self._events: TextIO | None = None
-        self._stream = stream if stream is not None else sys.stderr
-        self._tty = self._stream.isatty()
-        self._status_every, self._last_status = status_every, 0.0
         if log_dir is not None:
             self.set_dir(log_dir)
 
@@ -67,23 +96,10 @@ class EventLog(Metrics):
         with self._lock:
             if self._events is not None:
                 self._events.write(line + "\n")
-        log.info("%s round=%d %s", name, round, " ".join(f"{k}={v}" for k, v in fields.items()))
-
-    def status(self, text: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._tty:
-                self._stream.write("\r\033[K" + text)
-                self._stream.flush()
-            elif now - self._last_status >= self._status_every:
-                self._last_status = now
-                self._stream.write(text + "\n")
-                self._stream.flush()
+        log.info("%s round=%d %s", name, round, " ".join(f"{k}={_human(k, v)}" for k, v in fields.items()))
 
     def close(self) -> None:
         with self._lock:
-            if self._tty:
-                self._stream.write("\n")
             if self._events is not None:
                 self._events.close()
                 self._events = None

@@ -47,8 +47,11 @@ class Spec:
 
 CATALOGUE: dict[Event, Spec] = {
     Event.ROUND_START: Spec("a round's inner steps begin (from θ with `digest`)", ("digest",)),
-    Event.INNER_PROGRESS: Spec("every 10 inner steps and at the last; `global_step`: this peer's inner steps "
-                               "so far, all rounds", ("inner_step", "loss", "global_step")),
+    Event.INNER_PROGRESS: Spec("every 10 inner steps and at the last; `global_step`: the run's position in inner "
+                               "steps, (round − 1) × H + `inner_step` (with `round.mode=swarm_target`, the step of the "
+                               "lr schedule, which follows the swarm's progress): the same on every peer and after "
+                               "`--resume`; `tokens_per_s`: this peer's speed in the round so far",
+                               ("inner_step", "loss", "global_step", "tokens_per_s")),
     Event.INNER_DONE: Spec("the end of a round's inner training", ("inner_steps", "tokens", "seconds")),
     Event.ALLREDUCE_START: Spec("an all-reduce attempt begins, with the deadlines in force",
                                 ("expected_group_size", "attempt", "straggler_s", "allreduce_s", "matchmaking_s")),

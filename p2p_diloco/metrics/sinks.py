@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..errors import UsageError
-from . import Metrics
+from . import Metrics, short_id
 
 SINKS = ("jsonl", "tensorboard", "wandb")
 
@@ -26,7 +26,8 @@ def _scalars(name: str, fields: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink(Metrics):
-    """Scalars into a TensorBoard event file under ``log_dir`` (step: ``global_step`` if given, else the round)."""
+    """Scalars into a TensorBoard event file under ``log_dir`` (step: ``global_step`` if given, else the round; both
+    go on where they were after a ``--resume``, so the curves of a resumed peer continue)."""
 
     def __init__(self, log_dir: str | Path):
         try:
@@ -56,13 +57,20 @@ class WandbSink(Metrics):
         self._wandb = wandb
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "p2p-diloco"), group=run_id,
-                               name=f"{run_id}-{peer_id[-8:]}", dir=str(log_dir), config=config,
+                               name=f"{run_id}-{short_id(peer_id)}", dir=str(log_dir), config=config,
                                mode=os.environ.get("WANDB_MODE", "offline"), reinit="finish_previous")
+        # x axes that go on where they were after a --resume (a resumed peer is a new W&B run; its own _step
+        # restarts at 0): the inner steps' metrics against global_step, the others against the round
+        self._run.define_metric("global_step")
+        self._run.define_metric("round")
+        self._run.define_metric("inner_progress/*", step_metric="global_step")
+        self._run.define_metric("*", step_metric="round")
 
     def event(self, name: str, round: int, **fields: Any) -> None:
         scalars = _scalars(name, fields)
         if scalars:
-            self._run.log({**scalars, "round": round})
+            step = {"global_step": int(fields["global_step"])} if "global_step" in fields else {}
+            self._run.log({**scalars, "round": round, **step})
 
     def close(self) -> None:
         self._run.finish()

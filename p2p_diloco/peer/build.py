@@ -20,7 +20,7 @@ from ..runtime.clock import Clock, RealClock
 from ..swarm.port import SwarmFactory
 from ..training.model import count_parameters
 from ..training.part import Training
-from .checkpoints import load_resumed
+from .checkpoints import check_checkpoint_dir, load_resumed
 from .context import PeerContext
 from .peer import Peer
 
@@ -38,13 +38,16 @@ def build_state(cfg: Config, cluster, params) -> GlobalState:
 
 
 def build_peer(cfg: Config, metrics: Metrics, swarm_factory: SwarmFactory, stop: threading.Event | None = None,
-               on_started: Callable[[Any], None] | None = None, cluster=None, clock: Clock | None = None) -> Peer:
+               on_started: Callable[[Any], None] | None = None, cluster=None, clock: Clock | None = None,
+               on_training: Callable[[], None] | None = None) -> Peer:
     """A peer of ``cfg`` that reaches the swarm through ``swarm_factory`` (:class:`~p2p_diloco.swarm.swarm.Swarm`).
 
     Raises:
-        CheckpointError: ``checkpoint.resume`` is set and the newest checkpoint is missing, corrupt or belongs
-            to another config (raised here, before anything joins the swarm).
+        CheckpointError: ``checkpoint.dir`` is not a writable directory, or ``checkpoint.resume`` is set and the
+            newest checkpoint is missing, corrupt or belongs to another config (raised here, before anything joins
+            the swarm).
     """
+    check_checkpoint_dir(cfg)  # every start-up check before the model is built and the swarm joined
     resumed = load_resumed(cfg, cluster)
     if cfg.train.threads > 0:
         torch.set_num_threads(cfg.train.threads)
@@ -54,4 +57,4 @@ def build_peer(cfg: Config, metrics: Metrics, swarm_factory: SwarmFactory, stop:
     clock = clock or RealClock()
     ctx = PeerContext(cfg, clock, stop or clock.event(), metrics, swarm, state, random.Random())
     log.info("model: %d parameters, fingerprint %s", count_parameters(training.model), cfg.fingerprint())
-    return Peer(ctx, training, resumed=resumed, cluster=cluster, on_started=on_started)
+    return Peer(ctx, training, resumed=resumed, cluster=cluster, on_started=on_started, on_training=on_training)

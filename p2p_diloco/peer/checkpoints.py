@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 from ..checkpoint import CheckpointError, CheckpointStore, PeerState, capture_rng, restore_rng
+from ..errors import RunError
 from ..metrics.events import Event
 from .context import PeerContext, PeerStats
 
@@ -18,6 +19,16 @@ log = logging.getLogger("p2p_diloco.peer")
 def optimizer_format(cfg, cluster) -> str:
     """How the inner optimizer state is saved: FSDP's full state (keyed by parameter name) or torch's plain one."""
     return "fsdp" if cluster is not None and cfg.train.parallelism == "fsdp" else "plain"
+
+
+def check_checkpoint_dir(cfg) -> None:
+    """``checkpoint.dir`` is a directory this peer can write (created if missing), checked before it joins a swarm.
+
+    Raises:
+        CheckpointError: (one line) it is a file, or cannot be created or written.
+    """
+    if cfg.checkpoint.dir:
+        CheckpointStore(cfg.checkpoint.dir, cfg.checkpoint.keep).check_usable()
 
 
 def load_resumed(cfg, cluster) -> PeerState | None:
@@ -55,7 +66,14 @@ class Checkpointer:
         self.saved: tuple[int, str] | None = None  # (round, digest) of the last checkpoint written or loaded
 
     def save(self, force: bool = False) -> None:
-        """Save the round-boundary state (atomic, keeps the last k); a failure is logged, never fatal."""
+        """Save the round-boundary state (atomic, keeps the last k).
+
+        Raises:
+            RunError: the checkpoint could not be written (disk full, directory gone or made read-only: the
+                directory was checked at start-up). The peer stops rather than train on without the checkpoints it
+                was asked to keep: the swarm keeps theta meanwhile, and the peer, resumed from its last checkpoint
+                (intact: writes are atomic), catches up from the others.
+        """
         cfg, state = self.ctx.cfg, self.ctx.state
         if self.store is None or self.saved == (state.round, state.digest):
             return
@@ -77,8 +95,10 @@ class Checkpointer:
                     certificate=None if state.certificate is None else state.certificate.to_json())
                 path = self.store.save(peer_state)
             except OSError as e:
-                log.error("checkpoint of round %d failed (the previous one is intact): %s", state.round, e)
-                return
+                last = f"round {self.saved[0]}" if self.saved else "none yet"
+                raise RunError(f"could not write the checkpoint of round {state.round} in {self.store.directory}: "
+                               f"{e.strerror or e}; stopped (last checkpoint: {last}, intact; fix the directory, "
+                               f"then --resume)") from None
         self.saved = (state.round, state.digest)
         self.ctx.emit(Event.CHECKPOINT_SAVED, state.round, path=str(path), digest=state.digest)
 

@@ -27,7 +27,7 @@ class PeerStats:
     """What this peer did, for its summary and its checkpoints."""
 
     tokens_trained: int = 0  # tokens of this peer's inner steps, all rounds
-    inner_steps: int = 0  # this peer's inner steps, all rounds (``global_step`` of inner_progress)
+    inner_steps: int = 0  # this peer's own inner steps, all rounds (not ``global_step``: the run's position)
     rounds_participated: int = 0  # outer steps this peer took with its own pseudo-gradient in the average
     bytes_sent: int = 0
     bytes_received: int = 0

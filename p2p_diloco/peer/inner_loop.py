@@ -48,9 +48,10 @@ class InnerLoop:
                 schedule_step = r * H + min(H - 1, int(H * done.fraction))
             k += 1
             self.stepped = True
-            loss, n = self.training.step(schedule_step if by_target else r * H + k - 1)
+            step = schedule_step if by_target else r * H + k - 1  # the lr schedule's step (0-based)
+            loss, n = self.training.step(step)
             tokens += n
-            self._progress(r, k, loss, tokens, clock.monotonic() - t0, by_target)
+            self._progress(r, k, loss, tokens, clock.monotonic() - t0, by_target, global_step=step + 1)
             if cfg.debug.step_delay:
                 clock.wait(stop, cfg.debug.step_delay)  # tests and benchmarks only: a slow peer
         self.stats.tokens_trained += tokens
@@ -59,15 +60,21 @@ class InnerLoop:
                       seconds=round(clock.monotonic() - t0, 3))
         return tokens, k
 
-    def _progress(self, r: int, k: int, loss: float, tokens: int, elapsed: float, by_target: bool) -> None:
+    def _progress(self, r: int, k: int, loss: float, tokens: int, elapsed: float, by_target: bool,
+                  global_step: int) -> None:
+        """Publish inner step ``k`` of the round that starts from theta(``r``): the live record, every
+        :data:`PROGRESS_EVERY` steps an event, and the status line. ``global_step`` is the run's position (the lr
+        schedule's step + 1), derived from the round and step alone so that it goes on where it was after a
+        ``--resume`` (TensorBoard's x axis)."""
         H = self.ctx.cfg.train.inner_steps
         rate = tokens / max(elapsed, 1e-9)
         self.ctx.swarm.update(inner_step=k, tokens=self.stats.tokens_trained + tokens, round_tokens=tokens,
                               **({} if by_target else {"tokens_per_s": round(rate, 1)}))  # (else: progress records)
         if k % PROGRESS_EVERY == 0 or k == H:
             self.ctx.emit_in_round(Event.INNER_PROGRESS, r, inner_step=k, loss=round(loss, 4),
-                          global_step=self.stats.inner_steps + k)
-        self.ctx.status(f"round {r + 1} inner_step {k}{'' if by_target else f'/{H}'} loss {loss:.3f} "
+                                   global_step=global_step, tokens_per_s=round(rate, 1))
+        # "round k" is the round being trained (the one that produces theta(k)), as in events.jsonl and `status`
+        self.ctx.status(f"round {r + 1}  inner step {k}{'' if by_target else f'/{H}'}  loss {loss:.3f}  "
                         f"{rate:,.0f} tok/s")
 
     def _exchange_progress(self, tokens: int, step_tokens: int, elapsed: float) -> dict[str, PeerRecord]:

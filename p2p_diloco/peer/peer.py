@@ -55,12 +55,14 @@ class Peer:
         resumed: a verified checkpoint to continue from, or None.
         cluster: this peer's local ranks under torchrun (we are rank 0), or None.
         on_started: called with the swarm once it is up (the CLI prints the join line from it).
+        on_training: called once, when the first round starts (start-up is over: the CLI's first stop signal no
+            longer aborts at once, it stops at the next safe point).
     """
 
     def __init__(self, ctx: PeerContext, training, resumed: PeerState | None = None, cluster=None,
-                 on_started: Callable[[Any], None] | None = None):
+                 on_started: Callable[[Any], None] | None = None, on_training: Callable[[], None] | None = None):
         self.ctx, self.training, self.resumed = ctx, training, resumed
-        self.cluster, self.on_started = cluster, on_started
+        self.cluster, self.on_started, self.on_training = cluster, on_started, on_training
         self.stats = PeerStats()
         self.chain = Chain(ctx)
         ctx.verify = self.chain.verified
@@ -86,7 +88,10 @@ class Peer:
                 self.chain.former_ids.add(str(self.resumed.extra.get("peer_id") or ""))
             ctx.swarm.publish(ready=True)  # data and model are built: we can start a round at once
             self._wait_for_peers()
-            self.rounds.boundary(self.state_sync.join(self.rounds.finished))
+            phase = self.state_sync.join(self.rounds.finished)
+            if self.on_training:
+                self.on_training()
+            self.rounds.boundary(phase)
             if self.overlap:
                 self.overlap.run()
             while not ctx.stop.is_set() and not self.rounds.finished():

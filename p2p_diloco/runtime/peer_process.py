@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
-from ..metrics import read_events
+from ..metrics import read_events, short_id
 from .processes import kill_group, wait_group_gone
 
 # A peer prints it with its run id; a bootstrap node (no run of its own) without.
@@ -201,7 +201,8 @@ class PeerProcess:
                 pass
 
     def signal_group(self, sig: int) -> None:
-        """Send ``sig`` to the whole process group (python, DHT, averager, p2pd), ignoring a group already gone."""
+        """Send ``sig`` to the whole process group (python, DHT, averager: what a terminal's Ctrl-C reaches; p2pd has
+        a group of its own and dies with the DHT process, see swarm/starting.py), ignoring a group already gone."""
         kill_group(self.pid, sig)
 
     def kill_group(self) -> None:
@@ -225,7 +226,7 @@ class PeerProcess:
 
     def __repr__(self) -> str:
         state = "running" if self.popen.returncode is None else f"exited {self.popen.returncode}"
-        return f"<PeerProcess pid={self.pid} {(self.peer_id or '?')[-8:]} {state}>"
+        return f"<PeerProcess pid={self.pid} {short_id(self.peer_id)} {state}>"
 
 
 def stop_all(procs: Iterable[PeerProcess], grace: float) -> None:
@@ -234,7 +235,8 @@ def stop_all(procs: Iterable[PeerProcess], grace: float) -> None:
     Every main process still running gets SIGTERM (a peer then leaves the swarm and shuts its parts down) and
     ``grace`` s, all together, to exit. Then, per peer: a wait of up to 10 s for its group to empty by itself
     (torch's ``torch_shm_manager`` deletes the /dev/shm files of the peer's tensors only after the main process
-    exited, and killing it first leaks them), SIGKILL to whatever is left of the group (DHT, averager, p2pd), and
+    exited, and killing it first leaks them), SIGKILL to whatever is left of the group (DHT, averager; p2pd dies
+    with its DHT process), and
     a last bounded wait for the main process and the group.
 
     Args:
@@ -252,7 +254,7 @@ def stop_all(procs: Iterable[PeerProcess], grace: float) -> None:
             pass
     for p in procs:
         wait_group_gone(p.pid, timeout=10)  # torch_shm_manager cleans /dev/shm after the main process exits
-        p.kill_group()  # leftovers of the group: DHT, averager, p2pd
+        p.kill_group()  # leftovers of the group: DHT, averager (and with the DHT, its p2pd)
         try:
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:

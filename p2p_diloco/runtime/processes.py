@@ -1,6 +1,7 @@
 """Process hygiene: a peer is several processes (main, DHT, averager, p2pd); none may outlive it.
 
-hivemind forks the DHT and the averager and the DHT spawns the Go ``p2pd`` daemon. If the main process exits
+hivemind forks the DHT and the averager and the DHT spawns the Go ``p2pd`` daemon (in a process group of its own,
+killed by the kernel when the DHT process dies: swarm/starting.py). If the main process exits
 without shutting them down they keep running (and an orphaned averager even keeps serving rounds), so every exit
 path ends with :func:`reap_children`. Launchers put each peer in its own process group and kill the group.
 """
@@ -41,6 +42,24 @@ def keep_freed_memory() -> bool:
         return False
 
 
+_PR_SET_CHILD_SUBREAPER = 36  # prctl() option (Linux >= 3.4)
+
+
+def adopt_orphans() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux); returns True if applied.
+
+    Killing a DHT process while it starts leaves the ``p2pd`` it was spawning running, re-parented to init, out of
+    :func:`reap_children`'s sight (seen: a DHT process killed mid-start, its p2pd still alive). As a subreaper, this
+    process gets such orphans as its own children, and :func:`reap_children` finds them. A no-op off Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def descendants() -> set[int]:
     """Pids of every descendant of this process now."""
     try:
@@ -54,8 +73,17 @@ def reap_children(timeout: float = 5.0, only: set[int] | None = None) -> None:
     pids and their own descendants, so that processes other parts started, e.g. a W&B service, are left alone).
 
     torch's ``torch_shm_manager`` is spared: it deletes the shared-memory files of our tensors (hivemind uses the
-    file_system sharing strategy) once this process exits, and killing it first leaks them in /dev/shm.
+    file_system sharing strategy) once this process exits, and killing it first leaks them in /dev/shm. Without
+    ``only``, descendants orphaned meanwhile (a p2pd whose DHT process was just killed) come back to us as
+    children (:func:`adopt_orphans`) and are reaped by a second pass.
     """
+    for _ in range(1 if only is not None else 3):
+        if not _reap_once(timeout, only):
+            return
+
+
+def _reap_once(timeout: float, only: set[int] | None) -> bool:
+    """One pass of :func:`reap_children`; False if there was nothing to reap."""
     try:
         children = [c for c in psutil.Process().children(recursive=True) if not c.name().startswith("torch_shm")]
         if only is not None:
@@ -68,7 +96,9 @@ def reap_children(timeout: float = 5.0, only: set[int] | None = None) -> None:
                         pass
             children = [c for c in children if c.pid in targets]
     except psutil.Error:
-        return
+        return False
+    if not children:
+        return False
     for child in children:
         try:
             child.terminate()
@@ -81,6 +111,7 @@ def reap_children(timeout: float = 5.0, only: set[int] | None = None) -> None:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=timeout)
+    return True
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:

@@ -23,11 +23,12 @@ from ..outer.aggregation import Policy, corrupt_
 from ..outer.codecs import get_codec
 from ..errors import RoundFailed, SwarmError
 from .port import AllReduceResult
-from .exact_averager import ExactAverager
+from .exact_averager import ExactAverager, quiet_step_failures
 from .compression import compression_for
 from .data_auth import DataKey, DataPeer, advertise
 from .identity import Identity
 from .sockets import listen_socket
+from .starting import one_line, start_process
 from ..protocol.push import push_limit
 
 log = logging.getLogger("p2p_diloco.swarm")
@@ -50,14 +51,6 @@ def ip4_of(maddrs: Sequence[str]) -> str | None:
         if len(parts) > 2 and parts[1] == "ip4":
             return parts[2]
     return None
-
-
-def one_line(e: BaseException) -> str:
-    """A short single-line reason from hivemind's (often multi-line, timestamped) exception texts."""
-    import re
-
-    text = " ".join(str(e).split()) or type(e).__name__
-    return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text)[:300]
 
 
 class Averagers:
@@ -84,6 +77,7 @@ class Averagers:
         self.p2p_only_round = -1
         self._corruption = torch.Generator().manual_seed(cfg.run.seed + 1)  # debug.corrupt_pseudo_gradient only
         prefix = f"{cfg.run.run_id}_{cfg.fingerprint()}"
+        quiet_step_failures()  # before the averagers fork: a failed attempt is reported once, by the round protocol
         self.state_sizes: list[tuple[int, int]] = []  # per averager: (bytes, tensors) of theta and its momentum
         for n, key in enumerate(self.keys):
             buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in groups[key]]
@@ -109,7 +103,7 @@ class Averagers:
                 advert = advertise(identity.sign, identity.public_key, averager.prefix, me)
             self.list.append(averager)
             self.adverts.append(advert)
-            averager.run_in_background(await_ready=True, timeout=self.sc.startup_timeout)
+            start_process(averager, self.sc.startup_timeout)  # not run_in_background: it ignores Ctrl-C for good
 
     def _open_data_plane(self, port: int, visible_maddrs):
         """Listen for direct-TCP all-reduce traffic (see fastpath.py) on the host of our first /ip4 listen address;

@@ -8,7 +8,6 @@ that stays up and keeps its address and id across restarts.
 
 from __future__ import annotations
 
-import signal
 from typing import Sequence
 
 import hivemind
@@ -16,6 +15,7 @@ import hivemind
 from ..errors import SwarmError
 from ..runtime.processes import reap_children
 from .identity import Identity
+from .starting import start_dht, start_failure
 
 
 class BootstrapNode:
@@ -33,18 +33,15 @@ class BootstrapNode:
 
     def start(self) -> None:
         identity = Identity(self.identity_path)
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches only us; we stop the DHT
-        try:
-            self.dht = hivemind.DHT(
-                start=True, initial_peers=self.initial_peers or None, host_maddrs=self.host_maddrs,
+        try:  # the DHT and p2pd ignore Ctrl-C, we do not: a stop signal during the start raises here (starting.py)
+            self.dht = start_dht(
+                initial_peers=self.initial_peers or None, host_maddrs=self.host_maddrs,
                 announce_maddrs=self.announce_maddrs or None,
                 identity_path=identity.path, check_if_identity_free=not identity.fresh,
-                record_validators=[identity.validator], startup_timeout=self.startup_timeout, await_ready=True)
+                record_validators=[identity.validator], startup_timeout=self.startup_timeout)
         except Exception as e:  # hivemind's P2PDaemonError etc. carry long texts
-            reap_children(timeout=5.0)
-            raise SwarmError(f"could not start the bootstrap node: {str(e).strip().splitlines()[0]}") from None
+            raise SwarmError(start_failure(e, self.initial_peers, "could not start the bootstrap node")) from None
         finally:
-            signal.signal(signal.SIGINT, previous)
             identity.close()
         self.peer_id = self.dht.peer_id.to_base58()
 

@@ -21,6 +21,7 @@ downloaders of its state (allowlist.py). The libp2p runner itself is in runner.p
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Sequence
 
@@ -43,6 +44,28 @@ from .state_push import PushMixin, read_state
 from .workspace import Workspace
 
 logger = get_logger(__name__)
+
+
+class _StepFailuresAreTheHosts(logging.Filter):
+    """Drops hivemind's ERROR record (with a traceback) of a failed averaging step, e.g. "Averaging step failed:
+    could not find a group" while a round-mate is still starting. Our steps never retry inside hivemind
+    (``allow_retries=False``): the exception goes back to the host, which reports the attempt on one line of its
+    own (an ``allreduce_failed`` event with the reason) and decides what to do next, so hivemind's record is a
+    duplicate that reads like a crash. Every other hivemind record is kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.funcName == "_step" and record.levelno >= logging.ERROR)
+
+
+_STEP_FILTER = _StepFailuresAreTheHosts()
+
+
+def quiet_step_failures() -> None:
+    """Install the filter on hivemind's averager logger (idempotent). Call it before an averager forks: the
+    averager process logs the step failures, and inherits the filter with the fork."""
+    averager_logger = get_logger("hivemind.averaging.averager")
+    if _STEP_FILTER not in averager_logger.filters:
+        averager_logger.addFilter(_STEP_FILTER)
 
 
 class ExactAverager(PushMixin, DecentralizedAverager):

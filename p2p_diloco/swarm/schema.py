@@ -39,8 +39,13 @@ Fingerprint = pydantic.constr(strict=True, regex=r"^[0-9a-f]{16}$")  # Config.fi
 Digest = pydantic.constr(strict=True, regex=r"^[0-9a-f]{0,64}$")  # sha256 hexdigest (outer.optimizer.digest)
 PeerIdText = pydantic.constr(strict=True, regex=r"^[0-9A-Za-z]{0,128}$")  # a base58 peer id ("" = none)
 PhaseName = Literal[tuple(p.value for p in Phase)]  # type: ignore[valid-type]
-ConfigValue = Union[StrictBool, StrictInt, StrictFloat, StrictStr, List[StrictStr]]
-ConfigRecord = Dict[StrictStr, ConfigValue]  # Config.fingerprint_fields(): {"section.key": value}
+# A published config (config/sharing.py published_settings(): the fingerprinted, shared and per-peer settings) as
+# {"section.key": value}. Bounded for a stranger's record by MAX_VALUE_BYTES (16 KiB: ours is ~1.5 KB) and here by
+# the shape of a key and the length of a string (a path: 4096, Linux's PATH_MAX) and of a list.
+ConfigKey = pydantic.constr(strict=True, regex=r"^[a-z][a-z_]*\.[a-z][a-z0-9_]*$", max_length=64)
+ConfigText = pydantic.constr(strict=True, max_length=4096)
+ConfigValue = Union[StrictBool, StrictInt, StrictFloat, ConfigText, pydantic.conlist(ConfigText, max_items=64)]
+ConfigRecord = Dict[ConfigKey, ConfigValue]
 # The wire type of each kind of field of the typed record (PeerRecord's ``wire`` metadata): one definition of the
 # record's fields, in p2p_diloco/protocol/records.py, for the rules and for this schema.
 WIRE_TYPES = {"fingerprint": Fingerprint, "count": Count, "phase": PhaseName, "bool": StrictBool, "finite": Finite,
@@ -125,7 +130,7 @@ def normalize_record(fields: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def check_config_record(fields: Dict[str, Any]) -> Dict[str, Any]:
-    """``fields`` (``Config.fingerprint_fields()``) if it is a valid :data:`ConfigRecord`; else :class:`SwarmError`."""
+    """``fields`` (``published_settings(cfg)``) if it is a valid :data:`ConfigRecord`; else :class:`SwarmError`."""
     try:
         parsed = _RunRecords.parse_obj({"config": {b"": fields}}).config[b""]
     except pydantic.ValidationError as e:
@@ -175,7 +180,8 @@ LIFETIMES = {"live": 1, "sig": 1, "cert": 1, "config": 5}
 TTL_SLACK_FACTOR, TTL_SLACK_S = 1.5, 5.0
 # The largest serialized value of each record, as a DHT node sees it: msgpack of the value plus the signature
 # hivemind appends ("[signature:<base64>]", 356 bytes for a 2048-bit key, 696 for 4096). A live record is ~300 bytes,
-# plus ~48 bytes per shard in ``shard_peers`` (sharded runs); a config record ~350 bytes, more with long strings.
+# plus ~48 bytes per shard in ``shard_peers`` (sharded runs); a config record ~1.5 KB of msgpack (69 settings at
+# their defaults), more with long strings.
 SIGNATURE_ROOM = 1024
 MAX_VALUE_BYTES = {"live": 16 * 1024, "config": 16 * 1024,
                    **{name: limit + SIGNATURE_ROOM for name, limit in BLOB_MAX_BYTES.items()}}

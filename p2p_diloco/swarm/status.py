@@ -6,19 +6,21 @@ so forged or unsigned records are dropped exactly as a training peer drops them 
 
 from __future__ import annotations
 
-import signal
 from typing import Sequence
 
-import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
 
 from ..errors import SwarmError
 from ..protocol.records import PeerRecord
-from ..runtime.processes import reap_children
+from ..runtime.processes import descendants, reap_children
 from .identity import OwnedRecordsValidator, records_by_owner
 from .schema import RunRecordsValidator
+from .starting import start_dht, start_failure
 
 READ_TIMEOUT = 15.0
+# After the first initial peer answers, hivemind waits up to this long (3 s by default) for the other initial peers and
+# for a search of its own neighbourhood; a client that reads one key needs neither (its read searches anyway).
+BOOTSTRAP_TIMEOUT = 0.5
 
 
 class StatusClient:
@@ -26,17 +28,16 @@ class StatusClient:
 
     def __init__(self, initial_peers: Sequence[str], run_id: str, startup_timeout: float = 30.0):
         self.key = f"{run_id}.live"
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches only us; we stop the DHT
-        try:
-            self.dht = hivemind.DHT(
-                initial_peers=list(initial_peers), start=True, client_mode=True, startup_timeout=startup_timeout,
+        before = descendants()
+        try:  # forked with SIGINT ignored, waited for with our handlers: a Ctrl-C aborts the start at once
+            self.dht = start_dht(
+                initial_peers=list(initial_peers), client_mode=True, startup_timeout=startup_timeout,
+                bootstrap_timeout=BOOTSTRAP_TIMEOUT,
                 record_validators=[RSASignatureValidator(), OwnedRecordsValidator([self.key]),
-                                   RunRecordsValidator(run_id)], await_ready=True)
+                                   RunRecordsValidator(run_id)])
         except Exception as e:
-            reap_children(timeout=5.0)
-            raise SwarmError(f"could not join the swarm: {str(e).strip().splitlines()[0]}") from None
-        finally:
-            signal.signal(signal.SIGINT, previous)
+            raise SwarmError(start_failure(e, initial_peers, "could not join the swarm")) from None
+        self._owned = descendants() - before  # the DHT process and its p2pd: what shutdown() stops
 
     def read_live_records(self) -> dict[str, PeerRecord]:
         """``{peer_id: record}`` of every live, validly signed record of the run."""
@@ -50,4 +51,4 @@ class StatusClient:
     def shutdown(self) -> None:
         if self.dht.is_alive():
             self.dht.shutdown()
-        reap_children(timeout=5.0)
+        reap_children(timeout=5.0, only=self._owned)

@@ -9,7 +9,8 @@ the operations it needs:
   ``peer_ttl`` expiration, so that every peer can see who is live, in which round, and with which digest
   (records are signed with the peer's identity key, which is also its libp2p identity: see identity.py; every
   DHT node refuses a record that breaks its schema: see schema.py);
-* check that peers already in the run use the same model/tokenizer/outer config;
+* check that peers already in the run use the same fingerprinted and shared settings (config/sharing.py), and
+  publish ours for joiners to adopt (config/adoption.py);
 * store and read small signed blobs per peer (``put_blob`` / ``get_blobs``: the round certificate exchange), with
   the same ownership checks and a size and lifetime bound that every DHT node enforces (schema.py);
 * all-reduce a list of tensors with exactly ``group_size`` peers of the same round, all-or-nothing;
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -36,11 +36,14 @@ import torch
 from hivemind.utils import get_dht_time
 
 from ..config import Config
-from ..errors import ConfigMismatch, SwarmError
+from ..config.adoption import check_against_peers
+from ..config.sharing import published_settings
+from ..errors import SwarmError
 from .allowlist import resolve_allowed_peers
 from ..protocol.records import Phase, PeerRecord, wire_fields
-from .averagers import Averagers, one_line
+from .averagers import Averagers
 from .state_push import Pusher
+from .starting import start_dht, start_failure
 from .port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob
 from .identity import Identity, OwnedRecordsValidator, RSAKeyBook, records_by_owner
 from .schema import (LIFETIMES, RUN_KEYS, RecordLimitsValidator, RunRecordsValidator, check_config_record,
@@ -132,27 +135,26 @@ class Swarm:
     # ----------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Start the DHT (joining ``swarm.initial_peers``), refuse a mismatched config, start the averager(s)."""
-        # Children forked from here (DHT, averager) and the p2pd they exec ignore SIGINT, so Ctrl-C in a terminal
-        # reaches only the main process, which then shuts them down in order (see shutdown()).
+        # Children forked from here (DHT, averager) ignore SIGINT and p2pd is out of the terminal's reach, so Ctrl-C
+        # reaches only the main process, which then shuts them down in order (see shutdown()); this process ignores
+        # it only during the forks themselves (starting.py): a stop signal during the start raises here.
         keep_freed_memory()  # before the forks: the averager's data plane gains most (see processes.py)
         before = descendants()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         follower = self.rank_of is not None
         self.identity = Identity(None if follower else (self.sc.identity_path or None))
+        initial = (self.rank_of if follower else self.sc.initial_peers) or []
         try:
-            self.dht = hivemind.DHT(
-                initial_peers=(self.rank_of if follower else self.sc.initial_peers) or None, start=True,
+            self.dht = start_dht(
+                initial_peers=initial or None,
                 host_maddrs=self.sc.host_maddrs, announce_maddrs=self.sc.announce_maddrs or None,
-                startup_timeout=self.sc.startup_timeout, await_ready=True, identity_path=self.identity.path,
+                startup_timeout=self.sc.startup_timeout, identity_path=self.identity.path,
                 check_if_identity_free=not self.identity.fresh, client_mode=self.sc.client_mode,
                 use_relay=self.sc.use_relay, use_auto_relay=self.sc.use_auto_relay,
                 record_validators=record_validators(self.identity, self.run_id, self.sc.peer_ttl),
             )
         except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
-            reap_children(timeout=5.0)
-            raise SwarmError(f"could not start or join the swarm: {one_line(e)}") from None
+            raise SwarmError(start_failure(e, initial, "could not start or join the swarm")) from None
         finally:
-            signal.signal(signal.SIGINT, previous)
             self.identity.close()  # p2pd has read it
         self.peer_id = self.dht.peer_id.to_base58()
         try:
@@ -228,7 +230,8 @@ class Swarm:
 
     def _publish_config(self) -> None:
         expiration = get_dht_time() + LIFETIMES["config"] * self.sc.peer_ttl
-        fields = check_config_record(self.cfg.fingerprint_fields())  # SwarmError: a bug of ours
+        # the run's config as others adopt it (config/sharing.py), not only the fingerprint's settings
+        fields = check_config_record(published_settings(self.cfg))  # SwarmError: a bug of ours
         self._dht_call("store", f"{self.run_id}.config", fields, expiration, subkey=self.identity.subkey())
 
     def put_blob(self, name: str, value: bytes, ttl: float | None = None) -> None:
@@ -307,19 +310,11 @@ class Swarm:
                 if pid != self.peer_id and rec.get("fp") == self.fingerprint and rec.get("phase") != Phase.LEFT}
 
     def check_config(self) -> None:
-        """Raise :class:`ConfigMismatch` naming the differences if a live peer of this run id uses another config."""
-        live = self._read_dict(f"{self.run_id}.live")
-        ours = self.cfg.fingerprint_fields()
-        for pid, theirs in self._read_dict(f"{self.run_id}.config").items():
-            if pid == self.peer_id or pid not in live or live[pid].get("phase") == Phase.LEFT:
-                continue
-            diffs = [f"{k}: ours {ours.get(k)!r}, theirs {theirs.get(k)!r}"
-                     for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
-            if diffs:
-                raise ConfigMismatch(
-                    f"run {self.run_id!r} already has peer {pid} with a different config ({'; '.join(diffs)}); "
-                    f"use the same config or another --run-id"
-                )
+        """Raise :class:`ConfigMismatch` naming the differences if a live peer of this run id publishes another
+        config: a fingerprinted or shared setting (config/sharing.py) that differs from ours. Only the records
+        config/adoption.py's trust rule accepts count (the same rule a joiner adopts by)."""
+        check_against_peers(self.cfg, self._read_dict(f"{self.run_id}.config"),
+                            self._read_dict(f"{self.run_id}.live"), self.allowed, me=self.peer_id)
 
     # ---------------------------------------------------------------------------------------------- averaging
     def all_reduce(self, request: AllReduceRequest) -> AllReduceResult:

@@ -38,7 +38,9 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from ..config import Config
-from ..errors import ConfigMismatch, RoundFailed, SwarmError
+from ..config.adoption import check_against_peers
+from ..config.sharing import published_settings
+from ..errors import RoundFailed, SwarmError
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from ..protocol.trust import initial_peer_ids
 from ..swarm.port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob
@@ -225,16 +227,14 @@ class FakeSwarm:
         if started and not any(self.net.responds(pid) for pid in started):
             raise SwarmError(f"could not start or join the swarm: none of the initial peers responded "
                              f"({', '.join(started)})")
-        ours = self.cfg.fingerprint_fields()
-        for pid, theirs in self.net.configs.items():
-            alive = pid in self.net.read(self.name) and self.net.stored[pid][0].get("phase") != Phase.LEFT
-            diffs = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
-            if alive and diffs and self.cfg.run.run_id == self.net.swarms[pid].cfg.run.run_id:
-                raise ConfigMismatch(f"run {self.cfg.run.run_id!r} already has peer {pid} with a different config "
-                                     f"({', '.join(diffs)})")
+        # the real check's rule (config/adoption.py), on the records this peer can read of its own run
+        run_id = self.cfg.run.run_id
+        live = {pid: record for pid, (record, _) in self.net.read(self.name).items()
+                if pid not in self.net.swarms or self.net.swarms[pid].cfg.run.run_id == run_id}
+        check_against_peers(self.cfg, self.net.configs, live, me=self.name)
         self.peer_id = self.name
         self.net.started.add(self.name)
-        self.net.configs[self.name] = ours
+        self.net.configs[self.name] = published_settings(self.cfg)
         self.publish(phase=Phase.JOIN)
         self.net.sim.spawn(self._heartbeat, f"{self.name}:heartbeat")
 

@@ -8,9 +8,9 @@ of each document, or a separate ``eval_split``) but reads the training documents
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import itertools
+import logging
 import os
 import sysconfig
 from collections import deque
@@ -23,14 +23,16 @@ import torch
 from datasets import Dataset, IterableDataset
 
 from p2p_diloco.config import ConfigError, DataConfig
-from p2p_diloco.training.tokenizer import looks_local, short_reason
+from p2p_diloco.training.hub import check_hub_dataset, explain, offline_mode, short_reason
+from p2p_diloco.training.sources import builder_for, check_has_text, is_local, resolve_data_files
 
 BUILTIN_STDLIB = "builtin:stdlib"
-BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 TOKENIZE_CHUNK = 64  # documents per tokenizer call: big enough to be fast, small enough to start quickly
 HASH_PREFIX = 2048  # characters of a document that decide its split
 
 Documents = Dataset | IterableDataset
+
+log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -66,41 +68,16 @@ def _builtin_documents(cfg: DataConfig) -> Dataset:
     return Dataset.from_dict({"text": list(texts), "path": list(paths)})
 
 
-def _is_local(path: str) -> bool:
-    return os.path.exists(path) or glob.has_magic(path) or looks_local(path) or path.endswith(tuple(BUILDERS))
-
-
-def resolve_data_files(path: str) -> list[str]:
-    """The data files ``path`` names (a directory, a glob, or one file), sorted; ConfigError if none."""
-    path = os.path.expanduser(path)
-    if os.path.isdir(path):
-        files = [
-            os.path.join(folder, f)
-            for folder, dirs, names in os.walk(path)
-            for f in names
-            if f.endswith(tuple(BUILDERS)) and not f.startswith(".")
-        ]
-    else:
-        files = [f for f in glob.glob(path, recursive=True) if os.path.isfile(f)]
-    if not files:
-        raise ConfigError(f"no data files match {path}")
-    return sorted(files)
-
-
-def _builder_for(files: list[str]) -> str:
-    builders = {BUILDERS.get(os.path.splitext(f)[1].lower()) for f in files}
-    if None in builders:
-        raise ConfigError(f"unsupported data file type in {files[0]}...; use {', '.join(BUILDERS)}")
-    if len(builders) > 1:
-        raise ConfigError(f"data files mix formats ({', '.join(sorted(builders))}); use one file type per path")
-    return builders.pop()
-
-
-def _load(path: str, what: str, **kwargs) -> Documents:
+def _load(path: str, what: str, hub: bool = False, **kwargs) -> Documents:
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as e:  # FileNotFoundError, DatasetNotFoundError, connection errors, bad JSON, ...
-        raise ConfigError(f"cannot load dataset {what}: {short_reason(e)}") from None
+        if hub and offline_mode():
+            reason = ("not in the datasets cache, and HF_HUB_OFFLINE is set: use local files (data.path = a "
+                      "directory, glob or file), or download it once with internet")
+        else:
+            reason = explain(path, e, down=None) if hub else short_reason(e)  # explain: a gated dataset needs a login
+        raise ConfigError(f"cannot load dataset {what}: {reason}") from None
 
 
 def _select_text(ds: Documents, column: str, what: str) -> Documents:
@@ -128,7 +105,7 @@ def load_documents(cfg: DataConfig, split: str) -> Documents:
     Raises:
         ConfigError: nothing to load, an unknown split or column, or a loading failure.
     """
-    local = cfg.path.startswith("builtin:") or _is_local(cfg.path)
+    local = is_local(cfg.path)
     streaming = cfg.streaming == "true" or (cfg.streaming == "auto" and not local)
     if local and (cfg.eval_split or split != cfg.train_split):
         raise ConfigError("local data has one split: leave data.eval_split empty to hold out documents by hash")
@@ -137,12 +114,14 @@ def load_documents(cfg: DataConfig, split: str) -> Documents:
         return ds.to_iterable_dataset() if streaming else ds
     if local:
         files = resolve_data_files(cfg.path)
-        builder = _builder_for(files)
+        builder = builder_for(files)
+        check_has_text(files, cfg.path)
         # A .txt document is a paragraph: per-line documents would put an eos after every line.
         extra = {"sample_by": "paragraph"} if builder == "text" else {}
         ds = _load(builder, cfg.path, data_files=files, split="train", streaming=streaming, **extra)
     else:
-        ds = _load(cfg.path, f"{cfg.path}[{split}]", name=cfg.name or None, split=split, streaming=streaming)
+        check_hub_dataset(cfg.path, streaming)  # seconds, not datasets' minute of retries, when the hub is unreachable
+        ds = _load(cfg.path, f"{cfg.path}[{split}]", hub=True, name=cfg.name or None, split=split, streaming=streaming)
     return _select_text(ds, cfg.text_column, cfg.path)
 
 
@@ -169,9 +148,17 @@ def _split_by_hash(ds: Documents, cfg: DataConfig, want_eval: bool) -> Documents
 
 
 def train_documents(cfg: DataConfig) -> Documents:
-    """The training documents: ``train_split``, minus the hash-held-out ones when there is no ``eval_split``."""
+    """The training documents: ``train_split``, minus the hash-held-out ones when there is no ``eval_split``.
+
+    Raises:
+        ConfigError: loading failed, or (map-style data) no document is left for training.
+    """
     ds = load_documents(cfg, cfg.train_split)
-    return ds if cfg.eval_split or cfg.eval_fraction == 0 else _split_by_hash(ds, cfg, want_eval=False)
+    ds = ds if cfg.eval_split or cfg.eval_fraction == 0 else _split_by_hash(ds, cfg, want_eval=False)
+    if isinstance(ds, Dataset) and len(ds) == 0:
+        raise ConfigError(f"no training documents in {cfg.path} after holding out eval documents "
+                          "(lower data.eval_fraction)")
+    return ds
 
 
 def eval_documents(cfg: DataConfig) -> Documents:
@@ -215,14 +202,12 @@ class PackedStream:
     its shuffle are reproducible (the same files, seed and `datasets` version).
     """
 
-    def __init__(self, tokenizer, cfg: DataConfig, seed: int):
+    def __init__(self, tokenizer, cfg: DataConfig, seed: int, docs: Documents | None = None):
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.seed = seed
         self.eos_id = _eos_id(tokenizer)
-        self._docs = train_documents(cfg)
-        if isinstance(self._docs, Dataset) and len(self._docs) == 0:
-            raise ConfigError(f"no training documents in {cfg.path} after holding out eval documents")
+        self._docs = train_documents(cfg) if docs is None else docs  # docs: train_documents(cfg), loaded earlier
         self._texts: Iterator[str] | None = None  # the current epoch's remaining documents
         self._reset(epoch=0, doc=0)
 
@@ -316,13 +301,16 @@ class PackedStream:
 def eval_batches(tokenizer, cfg: DataConfig, num_batches: int) -> list[torch.Tensor]:
     """The first ``num_batches`` eval batches (``[batch_size, seq_len]`` LongTensors), the same on every peer.
 
-    The held-out documents are packed in their stored order, without shuffling.
+    The held-out documents are packed in their stored order, without shuffling. When they hold fewer tokens than
+    ``num_batches`` batches need (a small dataset), the eval set shrinks to the whole batches they fill, with one
+    warning: every peer holds out the same documents, so every peer shrinks it alike.
 
     Raises:
-        ConfigError: the held-out documents hold fewer tokens than ``num_batches`` batches need.
+        ConfigError: the held-out documents do not fill even one batch.
     """
     eos = _eos_id(tokenizer)
-    need = num_batches * cfg.batch_size * cfg.seq_len
+    per_batch = cfg.batch_size * cfg.seq_len
+    need = num_batches * per_batch
     if need <= 0:
         return []
     parts, have = [], 0
@@ -331,10 +319,14 @@ def eval_batches(tokenizer, cfg: DataConfig, num_batches: int) -> list[torch.Ten
         have = sum(map(len, parts))
         if have >= need:
             break
-    if have < need:
+    fits = min(num_batches, have // per_batch)
+    if fits == 0:
         raise ConfigError(
-            f"not enough eval text in {cfg.path}: {have} tokens held out, {num_batches} eval batches need {need} "
-            "(raise data.eval_fraction or data.max_bytes, set data.eval_split, or lower eval.batches)"
-        )
-    flat = torch.from_numpy(np.concatenate(parts)[:need])
-    return list(flat.view(num_batches, cfg.batch_size, cfg.seq_len).unbind(0))
+            f"not enough eval text in {cfg.path}: {have} tokens held out, one eval batch needs {per_batch} "
+            "(raise data.eval_fraction, set data.eval_split, or lower data.batch_size or data.seq_len)")
+    if fits < num_batches:
+        log.warning("only %d tokens of eval text in %s: evaluating on %d batch%s instead of eval.batches = %d "
+                    "(raise data.eval_fraction for more)", have, cfg.path, fits, "" if fits == 1 else "es",
+                    num_batches)
+    flat = torch.from_numpy(np.concatenate(parts)[: fits * per_batch])
+    return list(flat.view(fits, cfg.batch_size, cfg.seq_len).unbind(0))

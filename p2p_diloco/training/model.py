@@ -13,7 +13,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from p2p_diloco.config import ConfigError, ModelConfig
-from p2p_diloco.training.tokenizer import looks_local, short_reason
+from p2p_diloco.training.hub import load_named, short_reason
 
 PRESETS = ("tiny-llama",)
 
@@ -63,13 +63,11 @@ def _from_config(config: PretrainedConfig, seed: int) -> PreTrainedModel:
 
 
 def _from_pretrained(name: str) -> PreTrainedModel:
-    if looks_local(name) and not os.path.exists(os.path.expanduser(name)):
-        raise ConfigError(f"cannot load model {name}: no such file or directory")
-    try:
+    def load(path: str, **kwargs) -> PreTrainedModel:
         # transformers 5 loads in the checkpoint's dtype by default; training wants float32 master weights.
-        return AutoModelForCausalLM.from_pretrained(os.path.expanduser(name), dtype=torch.float32)
-    except Exception as e:  # OSError (missing files), ValueError (unsupported architecture), ...
-        raise ConfigError(f"cannot load model {name}: {short_reason(e)}") from None
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+
+    return load_named("model", name, load)
 
 
 def build_model(cfg: ModelConfig, vocab_size: int, seed: int) -> PreTrainedModel:

@@ -1,6 +1,7 @@
-"""The peer's local model and what trains it, as one part: tokenizer, model and held-out eval batches (built
-first: theta(0) comes from the model), then, once the peer id is known, the data stream (whose order derives from
-it), the inner trainer and the replica (the local ranks of a cluster peer)."""
+"""The peer's local model and what trains it, as one part: tokenizer, model, held-out eval batches and training
+documents (built and checked first, before the peer joins the swarm: theta(0) comes from the model), then, once the
+peer id is known, the data stream (whose order derives from it), the inner trainer and the replica (the local ranks
+of a cluster peer)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from ..config import Config
 from ..local.cluster import ClusterReplica, ClusterTrainer
 from ..local.commands import INIT
-from .data import PackedStream, eval_batches
+from .data import PackedStream, eval_batches, train_documents
 from .inner import InnerTrainer, Replica, resolve_device, schedule_horizon
 from .model import build_model
 from .tokenizer import build_tokenizer, vocab_size
@@ -27,10 +28,12 @@ class Training:
         self.cfg, self.cluster = cfg, cluster
         self.device = cluster.device if cluster else resolve_device(cfg.train.device)
         self.tokenizer = build_tokenizer(cfg.tokenizer)
+        # The data first: a missing file or an unreachable hub fails in seconds, before a large model is built.
+        self.eval_set = eval_batches(self.tokenizer, cfg.data, cfg.eval.batches)
+        self.train_docs = train_documents(cfg.data)  # loaded (and checked) now, before the peer joins the swarm
         self.model: torch.nn.Module | None = build_model(cfg.model, vocab_size(self.tokenizer),
                                                          cfg.run.seed).to(self.device)
         self.params = list(self.model.parameters())
-        self.eval_set = eval_batches(self.tokenizer, cfg.data, cfg.eval.batches)
         self.data_seed: int | None = None
         self.data: PackedStream | None = None
         self.trainer: InnerTrainer | None = None
@@ -40,7 +43,7 @@ class Training:
         """Build the data stream (in ``data_seed``'s order), the trainer and the replica."""
         cfg = self.cfg
         self.data_seed = data_seed
-        self.data = PackedStream(self.tokenizer, cfg.data, data_seed)
+        self.data = PackedStream(self.tokenizer, cfg.data, data_seed, self.train_docs)
         horizon = schedule_horizon(cfg)
         if self.cluster:
             self.cluster.send(INIT, data_seed)  # the other ranks build the same data stream, then wrap the model

@@ -7,13 +7,13 @@ machine gets the same ids without downloading or sharing a file.
 
 from __future__ import annotations
 
-import os
 from functools import lru_cache
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from p2p_diloco.config import ConfigError, TokenizerConfig
+from p2p_diloco.training.hub import load_named
 
 BYTE_TOKENIZER = "byte"
 EOS_TOKEN = "<|endoftext|>"
@@ -53,25 +53,8 @@ def _byte_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def looks_local(name: str) -> bool:
-    """True for names that can only mean a local path (the hub would retry them for ~45 s when offline)."""
-    return name.startswith(("/", ".", "~"))  # hub repo ids cannot start with any of these
-
-
-def short_reason(exc: BaseException) -> str:
-    """First non-empty line of an exception message, truncated: enough to act on, no traceback noise."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    reason = lines[0] if lines else type(exc).__name__
-    return reason if len(reason) <= 200 else reason[:197] + "..."
-
-
 def _load_pretrained(name: str) -> PreTrainedTokenizerFast:
-    if looks_local(name) and not os.path.exists(os.path.expanduser(name)):
-        raise ConfigError(f"cannot load tokenizer {name}: no such file or directory")
-    try:
-        tok = AutoTokenizer.from_pretrained(os.path.expanduser(name))
-    except Exception as e:  # transformers raises OSError, ValueError, KeyError, ... depending on what is wrong
-        raise ConfigError(f"cannot load tokenizer {name}: {short_reason(e)}") from None
+    tok = load_named("tokenizer", name, AutoTokenizer.from_pretrained)
     if tok.eos_token is None:
         raise ConfigError(f"tokenizer {name} has no eos token; packed documents need one as a separator")
     if tok.pad_token is None:
@@ -84,7 +67,8 @@ def build_tokenizer(cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
 
     Args:
         cfg: ``name_or_path == "byte"`` selects the built-in byte-level tokenizer (vocab 257); anything
-            else is passed to ``AutoTokenizer.from_pretrained`` (a local directory works offline).
+            else is passed to ``AutoTokenizer.from_pretrained`` (a local directory, or a hub name already in
+            the local cache, works offline: :mod:`.hub`).
 
     Returns:
         A fast tokenizer with an eos token and a pad token (pad defaults to eos).

@@ -44,6 +44,17 @@ def test_eval_and_export_of_a_trained_checkpoint(tmp_path, reap):
     assert rc == 0, stderr
     assert "eval_loss=" in stdout and "perplexity=" in stdout and str(other) in stdout
     assert f"eval_loss={peer_eval[2]:.4f}" not in stdout
+    # A small personal dataset (a few KB, new to the datasets cache): the eval set shrinks to what is held out, with
+    # one warning, and no progress bar of datasets ("Generating train split") reaches stderr.
+    small = tmp_path / "notes"
+    small.mkdir()
+    (small / "notes.txt").write_text("\n\n".join(f"note {i}: " + "the swarm trains a small model " * (1 + i % 7)
+                                                 for i in range(40)))
+    rc, stdout, stderr = _cli(["eval", "--checkpoint", str(ckpt), "--set", f"data.path={small}",
+                               "--set", "data.eval_fraction=0.3"], reap)
+    assert rc == 0, stderr
+    assert "on 1024 held-out tokens" in stdout, stdout  # 1,431 held out: one batch of 8 x 128
+    assert len(stderr.strip().splitlines()) == 1 and "WARN" in stderr and "tokens of eval text in" in stderr, stderr
 
     # export: a save_pretrained directory that transformers loads on its own and that generates.
     rc, stdout, stderr = _cli(["export", "--checkpoint", str(ckpt), "--out", str(out)], reap)
@@ -60,10 +71,13 @@ def test_eval_and_export_of_a_trained_checkpoint(tmp_path, reap):
 
     # Bad input: one line, exit 2, nothing overwritten.
     before = sorted(p.name for p in out.iterdir())
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
     for args, expected in [
         (["export", "--checkpoint", str(ckpt), "--out", str(out)], "already exists"),
         (["eval", "--checkpoint", str(tmp_path / "missing")], "checkpoint not found"),
-        (["eval", "--checkpoint", str(ckpt), "--set", "model.hidden_size=96"], "other shapes"),
+        (["eval", "--checkpoint", str(ckpt), "--set", "model.hidden_size=96"], "model.hidden_size=96 (the run's: 128)"),
+        (["eval", "--checkpoint", str(ckpt), "--set", f"data.path={empty}"], f"data file {empty} is empty: it has no"),
     ]:
         rc, stdout, stderr = _cli(args, reap)
         assert rc == 2 and expected in stderr and len(stderr.strip().splitlines()) == 1, (args, stderr)

@@ -33,7 +33,7 @@ def test_sigterm_mid_allreduce_stops_cleanly_and_others_carry_on(tmp_path, reap)
                    lambda e: e["event"] == Event.ALLREDUCE_RUNNING and e["round"] == 1, 240, victim)
     t0 = time.monotonic()
     victim.signal(signal.SIGTERM)
-    assert victim.wait(30) == 0, victim.stderr_tail()
+    assert victim.wait(30) == 143, victim.stderr_tail()  # 128 + SIGTERM, after a clean stop
     assert time.monotonic() - t0 < 20
     assert load_json(tmp_path / "p2.json")["stopped_early"] is True
     for p in procs[:2]:

@@ -209,3 +209,11 @@ def test_swarm_per_peer_step_delays_stay_with_the_launcher(monkeypatch):
     args = build_parser().parse_args(["swarm", "--peers", "2", "--debug-step-delay", "1", "2", "--data-seed", "3"])
     cfg = load_join_config(argparse.Namespace(**{**vars(args), "initial_peers": None}))
     assert cfg.debug.step_delay == 0.0 and cfg.data.seed == 3
+
+
+def test_a_true_false_choice_takes_an_unquoted_bool():
+    """``--set data.streaming=false`` as a user types it: TOML reads a bool, the setting's choices are strings."""
+    assert load_config(sets=["data.streaming=false"]).data.streaming == "false"
+    assert load_config(sets=["data.streaming=true"]).data.streaming == "true"
+    with pytest.raises(ConfigError, match="train.autocast must be a string"):
+        load_config(sets=["train.autocast=true"])  # not one of its choices: no silent conversion

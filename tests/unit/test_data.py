@@ -1,4 +1,8 @@
 import json
+import logging
+import os
+import subprocess
+import sys
 import sysconfig
 import time
 
@@ -8,7 +12,8 @@ import pytest
 import torch
 from datasets import IterableDataset
 
-from p2p_diloco.config import ConfigError, DataConfig, TokenizerConfig
+from p2p_diloco.config import Config, ConfigError, DataConfig, TokenizerConfig
+from p2p_diloco.training import data as data_module
 from p2p_diloco.training.data import (
     PackedStream,
     eval_batches,
@@ -17,6 +22,7 @@ from p2p_diloco.training.data import (
     resolve_data_files,
     train_documents,
 )
+from p2p_diloco.training.part import Training
 from p2p_diloco.training.tokenizer import build_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -189,18 +195,66 @@ def test_eval_batches_from_local_files(tok, jsonl_dir):
     flat = [t for b in batches for t in b.flatten().tolist()]
     expected = [t for d in held for t in [*d.encode(), EOS]][: len(flat)]
     assert flat == expected
-    with pytest.raises(ConfigError, match="not enough eval text"):
-        eval_batches(tok, cfg, 10_000)
+
+
+def test_a_small_eval_set_shrinks_to_whole_batches_with_one_warning(tok, jsonl_dir, caplog):
+    cfg = _cfg(jsonl_dir[0], eval_fraction=0.5, seq_len=8)
+    held_tokens = sum(len(d.encode()) + 1 for d in _texts(eval_documents(cfg)))
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco"):
+        batches = eval_batches(tok, cfg, 10_000)
+    assert len(batches) == held_tokens // (2 * 8) > 0
+    assert [b.shape for b in batches] == [(2, 8)] * len(batches)
+    assert torch.equal(torch.stack(batches), torch.stack(eval_batches(tok, cfg, len(batches))))  # as if it fit
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert f"only {held_tokens} tokens of eval text" in warnings[0] and "instead of eval.batches = 10000" in warnings[0]
+    with pytest.raises(ConfigError, match=f"not enough eval text .*: {held_tokens} tokens held out, one eval batch "
+                                          f"needs {2 * 4096}"):
+        eval_batches(tok, _cfg(jsonl_dir[0], eval_fraction=0.5, seq_len=4096), 1)
+
+
+def test_a_small_personal_dataset_trains_after_a_warning(tmp_path, caplog):
+    """A few KB of notes and the default eval.batches (8 x 8 x 128 tokens): a shrunk eval set, not an error."""
+    words = "the a swarm peer round model data train loss step average tokens weight group".split()
+    notes = ["note %d: " % i + " ".join(words[(i * j) % len(words)] for j in range(12 + i % 20)) for i in range(60)]
+    (tmp_path / "notes.txt").write_text("\n\n".join(notes) + "\n")
+    assert (tmp_path / "notes.txt").stat().st_size < 8192
+    cfg = Config()
+    cfg.data.path, cfg.data.eval_fraction, cfg.train.threads = str(tmp_path), 0.3, 1
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco"):
+        training = Training(cfg)
+    try:
+        assert 0 < len(training.eval_set) < cfg.eval.batches
+        assert [r.levelno for r in caplog.records if r.name.startswith("p2p_diloco")] == [logging.WARNING]
+        training.start(data_seed=0)
+        loss, tokens = training.step(0)
+        assert tokens == cfg.data.batch_size * cfg.data.seq_len and loss == pytest.approx(loss) and loss > 0
+        assert training.evaluate() > 0
+    finally:
+        training.close()
+
+
+def test_no_held_out_text_is_an_error_before_the_swarm(tmp_path):
+    (tmp_path / "a.txt").write_text("only one paragraph\n")
+    cfg = Config()
+    cfg.data.path, cfg.data.eval_fraction = str(tmp_path), 0.0
+    with pytest.raises(ConfigError, match="not enough eval text"):  # eval_fraction 0 holds nothing out
+        Training(cfg)
 
 
 @pytest.mark.parametrize(
     "setup, kw, message",
     [
-        (lambda p: None, {}, "no data files match"),
+        (lambda p: None, {}, r"no data files \(.txt, .json, .jsonl, .parquet\) in directory "),
+        (lambda p: (p / "a.txt").write_text("x"), {"path": "*.jsonl"}, r"no data files match .*/\*.jsonl"),
         (lambda p: (p / "a.txt").write_text("x") and (p / "b.jsonl").write_text('{"text": "y"}\n'), {}, "mix formats"),
         (lambda p: (p / "a.jsonl").write_text('{"body": "y", "id": 1}\n'), {"text_column": "x"}, "columns: body, id"),
         (lambda p: (p / "a.txt").write_text("x"), {"eval_split": "validation"}, "one split"),
         (lambda p: (p / "a.csv").write_text("x"), {"path": "*.csv"}, "unsupported data file type"),
+        (lambda p: (p / "a.txt").write_text(""), {"path": "a.txt"}, "data file .*/a.txt is empty: it has no text"),
+        (lambda p: (p / "a.txt").write_text("") or (p / "b.txt").write_text(""), {},
+         "every data file of .* is empty \\(2 files, e.g. .*/a.txt\\)"),
+        (lambda p: (p / "a.jsonl").write_text(""), {}, "data file .*/a.jsonl is empty"),
     ],
 )
 def test_bad_local_data_is_a_config_error(tok, tmp_path, setup, kw, message):
@@ -211,7 +265,7 @@ def test_bad_local_data_is_a_config_error(tok, tmp_path, setup, kw, message):
 
 
 def test_missing_local_path(tok, tmp_path):
-    with pytest.raises(ConfigError, match=f"no data files match {tmp_path}/nope"):
+    with pytest.raises(ConfigError, match=f"data path {tmp_path}/nope does not exist"):
         load_documents(DataConfig(path=str(tmp_path / "nope")), "train")
 
 
@@ -226,6 +280,7 @@ def test_hub_datasets_stream_through_the_same_code_path(tok, monkeypatch):
         return IterableDataset.from_generator(gen, gen_kwargs={"docs": splits[split]})
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(data_module, "check_hub_dataset", lambda path, streaming: None)  # a reachable hub
     cfg = DataConfig(path="allenai/c4", name="en", text_column="body", eval_split="validation")
     cfg.seq_len, cfg.batch_size = 16, 2
     stream = PackedStream(tok, cfg, seed=0)
@@ -235,3 +290,46 @@ def test_hub_datasets_stream_through_the_same_code_path(tok, monkeypatch):
     batches = eval_batches(tok, cfg, 2)
     assert calls[-1] == ("allenai/c4", "en", "validation", True)
     assert tok.decode(batches[0].flatten().tolist()).startswith("held out 0 held out 0")
+
+
+def test_a_data_build_under_the_cli_logging_draws_no_progress_bar(tmp_path):
+    """datasets draws "Generating train split: ..." on stderr when it first reads a file; our commands turn it off."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("\n\n".join(f"paragraph {i} " * 20 for i in range(200)))
+    code = ("import logging, sys\n"
+            "from p2p_diloco.cli.util import setup_logging\n"
+            "setup_logging(logging.INFO)\n"
+            "from p2p_diloco.config import DataConfig, TokenizerConfig\n"
+            "from p2p_diloco.training.data import eval_batches, train_documents\n"
+            "from p2p_diloco.training.tokenizer import build_tokenizer\n"
+            f"cfg = DataConfig(path={str(tmp_path / 'data')!r}, eval_fraction=0.5, seq_len=64, batch_size=2)\n"
+            "print(len(eval_batches(build_tokenizer(TokenizerConfig('byte')), cfg, 2)), len(train_documents(cfg)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_DISABLE_PROGRESS_BARS")}
+    env["HF_DATASETS_CACHE"] = str(tmp_path / "cache")  # a cold cache: datasets generates the split
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split()[0] == "2" and int(r.stdout.split()[1]) > 50
+    assert r.stderr == "", r.stderr
+
+
+def test_the_data_source_is_checked_without_torch_or_datasets(tmp_path):
+    """check_data_source can run before a command's heavy imports: a bad data.path then fails in a fraction of a
+    second instead of after the ~4 s of importing torch, transformers, datasets and hivemind."""
+    (tmp_path / "empty.txt").write_text("")
+    code = ("import sys\n"
+            "from p2p_diloco.config import ConfigError, DataConfig\n"
+            "from p2p_diloco.training.sources import check_data_source\n"
+            "for path in sys.argv[1:]:\n"
+            "    try:\n"
+            "        check_data_source(DataConfig(path=path))\n"
+            "        print('ok')\n"
+            "    except ConfigError as e:\n"
+            "        print(e)\n"
+            "print(sorted(m for m in ('torch', 'datasets', 'transformers') if m in sys.modules))\n")
+    paths = [str(tmp_path / "empty.txt"), str(tmp_path / "nope"), str(tmp_path / "*.jsonl"), "builtin:stdlib",
+             "allenai/c4"]
+    r = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"data file {tmp_path}/empty.txt is empty: it has no text",
+                                     f"data path {tmp_path}/nope does not exist",
+                                     f"no data files match {tmp_path}/*.jsonl", "ok", "ok", "[]"]

@@ -46,7 +46,7 @@ def test_bad_inputs_are_one_line_usage_errors(tmp_path):
     with pytest.raises(UsageError, match="no checkpoint in"):
         load_trained(tmp_path)
     _save_run(tmp_path, num_layers=1, hidden_size=64)
-    with pytest.raises(ConfigError, match="other shapes"):
+    with pytest.raises(ConfigError, match=r"model.num_layers=2 \(the run's: 1\)"):
         load_trained(tmp_path, sets=["model.num_layers=2"])
     out = tmp_path / "out"
     out.mkdir()

@@ -1,0 +1,132 @@
+"""Starting hivemind's processes so that Ctrl-C keeps working, and saying why a start failed.
+
+hivemind starts a DHT or an averager by forking a process and waiting for it to be ready; the DHT's process then
+starts the Go ``p2pd``, which may spend seconds trying to reach the initial peers. The forks must ignore SIGINT
+(only our main process acts on Ctrl-C: see :mod:`p2p_diloco.runtime.signals`), but the wait must not: so the
+process is forked with SIGINT ignored and waited for with our own handlers in place. hivemind's
+``DecentralizedAverager.run_in_background`` would instead set SIGINT to ``SIG_IGN`` in *this* process for good;
+it is not used.
+
+``p2pd`` cannot ignore SIGINT: it is started by uvloop, whose libuv resets every signal to its default action in
+the child before ``exec``, and p2pd asks Go for SIGINT itself (started with SIGINT ignored, it had a handler 0.1 s
+later: /proc/<pid>/status). So it died at the first Ctrl-C in a terminal, in the middle of the round the peer was
+finishing. It is therefore started through a small script that moves it out of the terminal's process group (Ctrl-C
+signals only the foreground group) and asks the kernel to kill it when the DHT process that started it dies
+(``PR_SET_PDEATHSIG``), since a kill of the peer's process group no longer reaches it; then execs the real p2pd.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import re
+import shlex
+import shutil
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import hivemind
+
+from ..runtime.processes import adopt_orphans, reap_children
+from ..runtime.signals import children_ignore_sigint
+
+log = logging.getLogger("p2p_diloco.swarm")
+
+
+def one_line(e: BaseException) -> str:
+    """A short single-line reason from hivemind's (often multi-line, timestamped) exception texts."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return re.sub(r"\d{4}/\d\d/\d\d \d\d:\d\d:\d\d ", "", text)[:300]
+
+
+# argv: the parent's pid when the script started, the real p2pd, its arguments (1: PR_SET_PDEATHSIG)
+_P2PD_LAUNCH = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL); "
+                "os.getppid() == int(sys.argv[1]) or os._exit(1); os.setpgid(0, 0); "
+                "os.execv(sys.argv[2], sys.argv[2:])")
+_P2PD_SHIM = ("#!/bin/sh\n# p2p-diloco: p2pd outside the terminal's process group (Ctrl-C is for our main process, "
+              "which stops p2pd in order), killed with the process that started it\n"
+              "exec {python} -S -c {code} \"$PPID\" {real} \"$@\"\n")
+_shim_dir: Path | None = None
+
+
+def keep_ctrl_c_from_p2pd() -> bool:
+    """Make hivemind start ``p2pd`` through a script that keeps Ctrl-C from it (module docstring), in this process
+    and its later forks; True if in place. Idempotent. Off Linux, or where no script can be run from the temporary
+    directory (mounted ``noexec``), p2pd is started as before."""
+    global _shim_dir
+    from hivemind.p2p import p2p_daemon
+
+    if _shim_dir is not None:
+        return True
+    if not sys.platform.startswith("linux"):  # PR_SET_PDEATHSIG is Linux's
+        return False
+    try:
+        with resources.path(p2p_daemon.cli, p2p_daemon.P2PD_FILENAME) as real:
+            real = Path(real)
+        directory = Path(tempfile.mkdtemp(prefix="p2p-diloco-p2pd-"))
+        if os.statvfs(directory).f_flag & os.ST_NOEXEC:
+            shutil.rmtree(directory, ignore_errors=True)
+            return False
+        shim = directory / p2p_daemon.P2PD_FILENAME
+        shim.write_text(_P2PD_SHIM.format(python=shlex.quote(sys.executable), code=shlex.quote(_P2PD_LAUNCH),
+                                          real=shlex.quote(str(real))))
+        shim.chmod(0o700)
+    except OSError as e:
+        log.debug("p2pd stays in our process group (a Ctrl-C ends it): %r", e)
+        return False
+    _shim_dir = directory
+    atexit.register(shutil.rmtree, directory, True)  # p2pd has long been exec'd by then
+
+    @contextlib.contextmanager
+    def path(package, name) -> Iterator[Path]:
+        if name == p2p_daemon.P2PD_FILENAME:
+            yield shim
+        else:
+            with resources.path(package, name) as found:
+                yield found
+
+    p2p_daemon.path = path  # the only use of this name in hivemind: P2P.create finding the binary
+    return True
+
+
+def start_dht(**kwargs) -> hivemind.DHT:
+    """A started, ready ``hivemind.DHT(**kwargs)`` (``start``/``await_ready`` are ours to set).
+
+    Any failure or interruption (a stop signal raises in the wait) stops whatever was started, p2pd included,
+    before it propagates.
+    """
+    adopt_orphans()  # a p2pd whose DHT process we kill mid-start comes back to us to be reaped
+    keep_ctrl_c_from_p2pd()
+    dht = hivemind.DHT(start=False, **kwargs)
+    try:
+        with children_ignore_sigint():
+            dht.start()
+        dht.wait_until_ready()  # bounded by p2pd's startup_timeout; a stop signal raises here
+    except BaseException:
+        reap_children(timeout=5.0)
+        raise
+    return dht
+
+
+def start_process(process, timeout: float) -> None:
+    """Start a hivemind averager (or any ``mp.Process`` with ``wait_until_ready``) the way :func:`start_dht`
+    starts a DHT: forked with SIGINT ignored, waited for with our handlers in place."""
+    with children_ignore_sigint():
+        process.start()
+    process.wait_until_ready(timeout)
+
+
+def start_failure(e: BaseException, initial_peers: Sequence[str], what: str) -> str:
+    """One line saying why a DHT did not start (``what``: e.g. "could not start or join the swarm"), and what to
+    check when it could not reach its initial peers."""
+    reason = one_line(e)
+    if "failed to connect to bootstrap peers" in reason and initial_peers:
+        return (f"{what}: no initial peer answered (tried {' '.join(initial_peers)}): check that a peer runs "
+                f"there, that the address and port are right and reachable from this machine (firewall, NAT), and "
+                f"that the /p2p/ id is the one that peer printed")
+    return f"{what}: {reason}"
