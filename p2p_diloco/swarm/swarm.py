@@ -75,6 +75,19 @@ def fix_command_pipe(dht: hivemind.DHT) -> None:
         raise SwarmError("could not make the DHT's command pipe blocking")
 
 
+def dht_rpc_timeout(peer_ttl: float) -> float:
+    """How long our DHT node waits for one kademlia RPC (hivemind's ``wait_timeout``, 3 s by default).
+
+    A frozen or unreachable DHT node stalls every store and read that routes through it until the RPC times out,
+    and a store waits twice (the search for the nearest nodes, then the store itself: measured 2 x wait_timeout), after
+    which hivemind blacklists the node for a while. With hivemind's 3 s that stall is 6 s = ``swarm.peer_ttl``: every
+    live record of the run expired at once during it (measured with 4 DHT nodes, one SIGSTOPped: both readers saw
+    no record at all for a second, so survivors lost each other and a round). A quarter of the record lifetime keeps
+    the stall (2 RPCs) plus one heartbeat well inside it; capped at hivemind's own 3 s for long lifetimes.
+    """
+    return min(3.0, peer_ttl / 4)
+
+
 def record_validators(identity: Identity, run_id: str, peer_ttl: float) -> list:
     """The DHT validators of a peer of ``run_id``: its signature (identity.py), owned subkeys, the schemas and the
     expiration/size limits of every key of the run (schema.py). Every DHT node of the run enforces them on store."""
@@ -148,6 +161,7 @@ class Swarm:
                 initial_peers=initial or None,
                 host_maddrs=self.sc.host_maddrs, announce_maddrs=self.sc.announce_maddrs or None,
                 startup_timeout=self.sc.startup_timeout, identity_path=self.identity.path,
+                wait_timeout=dht_rpc_timeout(self.sc.peer_ttl),
                 check_if_identity_free=not self.identity.fresh, client_mode=self.sc.client_mode,
                 use_relay=self.sc.use_relay, use_auto_relay=self.sc.use_auto_relay,
                 record_validators=record_validators(self.identity, self.run_id, self.sc.peer_ttl),
