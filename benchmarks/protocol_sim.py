@@ -3,6 +3,8 @@
     python -m benchmarks.protocol_sim --quick        # 1,000 schedules of 3..64 peers, a few minutes on 2 cores
     python -m benchmarks.protocol_sim                # 3,000 schedules, more and larger swarms (~40 min, 2 cores)
     python -m benchmarks.protocol_sim --replay SEED  # one schedule again, with its events (--events)
+    python -m benchmarks.protocol_sim --scale 100    # N peers, 1 h rounds, 30 min syncs, 1 death per peer-day
+                                                     # (issue 20: :mod:`._protocol_sim_scale`, docs/scale.md)
 
 Method: each schedule (:mod:`._protocol_sim_schedule`; one seed, one schedule, replayable) is a swarm of N = 3..64 real
 peers (:class:`~p2p_diloco.testing.harness.SimSwarm`: the real Peer driver, rules, commit step and outer step, a fake
@@ -33,6 +35,7 @@ import os
 import sys
 import time
 from collections import Counter, defaultdict
+from dataclasses import replace
 
 from ._protocol_sim_check import INVARIANTS
 from ._protocol_sim_run import Outcome, Run, run
@@ -42,6 +45,7 @@ QUICK = 1000  # schedules of --quick
 FULL = 3000  # about 40 minutes on 2 cores, 5 on 16
 SHOW = 20  # seeds listed per kind
 SIZES = ((3, 8), (9, 16), (17, 64))
+DEATH_COST_S = 12.0  # a failed attempt's cost beyond its transfer: benchmarks/faults.py, 11.8 s mean (issue 20)
 
 
 def _init_worker() -> None:
@@ -159,6 +163,22 @@ def replay(seed: int, f: int, events: bool, beyond: float) -> Outcome:
     return outcome
 
 
+def _scale(args: argparse.Namespace) -> int:
+    from ._protocol_sim_scale import Profile, merge, report, simulate
+
+    if (args.scale < 2 or args.seeds < 1 or args.rounds < 1 or args.sync_s <= 0 or args.compute_s <= 0
+            or args.deaths_per_day < 0):
+        print("protocol_sim: --scale needs N >= 2, --seeds and --rounds >= 1, --sync-s and --compute-s > 0, "
+              "--deaths-per-day >= 0", file=sys.stderr)
+        return 2
+    profile = Profile(n=args.scale, rounds=args.rounds, compute_s=args.compute_s, sync_s=args.sync_s,
+                      deaths_per_peer_day=args.deaths_per_day, uncapped=args.uncapped, seed=args.seed,
+                      max_virtual_s=args.max_hours * 3600)
+    runs = [] if args.analytic else [simulate(replace(profile, seed=args.seed + i)) for i in range(args.seeds)]
+    print(report(profile, merge(runs) if runs else None, DEATH_COST_S, seeds=len(runs)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,7 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--beyond", type=float, default=0.0,
                     help="with --replay: run up to this many virtual seconds past the liveness bound, and watch "
                          "peers out of reach at the end until they finish or give up")
+    scale = ap.add_argument_group("--scale N: realistic timings and churn at N peers (docs/scale.md)")
+    scale.add_argument("--scale", type=int, default=None, metavar="N", help="simulate N peers (closed forms too)")
+    scale.add_argument("--rounds", type=int, default=1, help="rounds to run (default 1)")
+    scale.add_argument("--sync-s", type=float, default=1800.0, help="transfer seconds per all-reduce (default 1800)")
+    scale.add_argument("--compute-s", type=float, default=3600.0, help="inner-step seconds per round (default 3600)")
+    scale.add_argument("--deaths-per-day", type=float, default=1.0, help="deaths per peer-day (default 1)")
+    scale.add_argument("--uncapped", action="store_true", help="lift the 64-member group cap (a what-if)")
+    scale.add_argument("--max-hours", type=float, default=0.0, help="virtual hours at most (default: from rounds)")
+    scale.add_argument("--seed", type=int, default=1, help="seed of the first run's death times (default 1)")
+    scale.add_argument("--seeds", type=int, default=1, help="runs (seeds --seed, --seed + 1, ...), summed (default 1)")
+    scale.add_argument("--analytic", action="store_true", help="the closed forms only, no simulation")
     args = ap.parse_args(argv)
+    if args.scale is not None:
+        return _scale(args)
     if args.replay is not None:
         outcome = replay(args.replay, args.f, args.events, args.beyond)
         return 1 if outcome.violations or outcome.stalled else 0

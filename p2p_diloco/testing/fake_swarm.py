@@ -67,6 +67,7 @@ class FakeNetwork:
         self.sim, self.clock = sim, sim.clock
         self.transfer_seconds, self.assemble_seconds = transfer_seconds, assemble_seconds
         self.download_seconds = download_seconds
+        self.poll = POLL  # a scale run sets it longer: fewer wake-ups of calls that wait (issue 20)
         self.swarms: dict[str, FakeSwarm] = {}
         self.stored: dict[str, tuple[dict, float]] = {}  # peer id -> (live record, expiration)
         self.configs: dict[str, dict] = {}
@@ -303,7 +304,7 @@ class FakeSwarm:
         hold = self.net.holds.pop((self.name, request.round), 0.0)
         until = clock.monotonic() + hold
         while clock.monotonic() < until and not request.should_stop():
-            clock.sleep(min(POLL, until - clock.monotonic()))
+            clock.sleep(min(self.net.poll, until - clock.monotonic()))
         mm = request.matchmaking_time or self.sc.matchmaking_time
         look = max(min(2 * mm, request.matchmaking_timeout or float("inf")), mm + 0.5)
         call = Call(self, request, clock.monotonic(), clock.event())
@@ -317,7 +318,7 @@ class FakeSwarm:
             if not running and group.began.is_set():
                 running = True
                 request.on_running()
-            clock.wait(group.ended if running else group.began, POLL)
+            clock.wait(group.ended if running else group.began, self.net.poll)
         if group.failure:
             raise RoundFailed(group.failure)
         if self.name in group.late:
@@ -338,7 +339,7 @@ class FakeSwarm:
                 if call in self.net.looking:
                     self.net.looking.remove(call)
                 raise RoundFailed("stopped" if call.request.should_stop() else "could not find a group")
-            clock.wait(call.found, min(POLL, deadline - clock.monotonic()))
+            clock.wait(call.found, min(self.net.poll, deadline - clock.monotonic()))
         return call.group
 
     def _result(self, call: Call, group: Group) -> AllReduceResult:
