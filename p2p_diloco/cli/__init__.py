@@ -16,6 +16,7 @@ import sys
 from typing import Sequence
 
 from ..errors import RunError, UsageError
+from ..runtime.processes import adopt_orphans
 from ..runtime.signals import StopSignals, interrupted_exit_code
 from .commands import cmd_bootstrap, cmd_eval, cmd_export, cmd_join, cmd_status
 from .parser import build_parser, load_join_config, validate_maddr
@@ -51,6 +52,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         peers' weights differ.
     """
     StopSignals().install()  # until a command takes over: a signal aborts at once (runtime/signals.py)
+    # A p2pd whose DHT process is killed mid-start comes back to us to be reaped. Only the command's own process
+    # becomes a subreaper: a library caller (a test worker) that never waits for adopted orphans would keep them as
+    # zombies, and their process groups would never look gone.
+    adopt_orphans()
     # hivemind's own INFO lines (e.g. "Checking that identity ... is not used") would break the one-line error
     # rule; its warnings and errors still show. Read once, when hivemind is first imported.
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")

@@ -32,7 +32,7 @@ from typing import Iterator, Sequence
 
 import hivemind
 
-from ..runtime.processes import adopt_orphans, reap_children
+from ..runtime.processes import reap_children
 from ..runtime.signals import children_ignore_sigint
 
 log = logging.getLogger("p2p_diloco.swarm")
@@ -100,7 +100,6 @@ def start_dht(**kwargs) -> hivemind.DHT:
     Any failure or interruption (a stop signal raises in the wait) stops whatever was started, p2pd included,
     before it propagates.
     """
-    adopt_orphans()  # a p2pd whose DHT process we kill mid-start comes back to us to be reaped
     keep_ctrl_c_from_p2pd()
     dht = hivemind.DHT(start=False, **kwargs)
     try:
