@@ -52,10 +52,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         peers' weights differ.
     """
     StopSignals().install()  # until a command takes over: a signal aborts at once (runtime/signals.py)
-    # A p2pd whose DHT process is killed mid-start comes back to us to be reaped. Only the command's own process
-    # becomes a subreaper: a library caller (a test worker) that never waits for adopted orphans would keep them as
-    # zombies, and their process groups would never look gone.
-    adopt_orphans()
+    # A p2pd whose DHT process is killed mid-start comes back to us to be reaped. Only a console command's own
+    # process becomes a subreaper (argv None): an in-process caller (a test worker) that never waits for adopted
+    # orphans would keep them as zombies, and their process groups would never look gone.
+    if argv is None:
+        adopt_orphans()
     # hivemind's own INFO lines (e.g. "Checking that identity ... is not used") would break the one-line error
     # rule; its warnings and errors still show. Read once, when hivemind is first imported.
     os.environ.setdefault("HIVEMIND_LOGLEVEL", "WARNING")
