@@ -1,5 +1,6 @@
 """The chaos benchmark's arithmetic on events (pure functions, unit-tested): forks, time from a death to the next
-commit, the all-reduce bytes that failed attempts may have cost, and where a round's sync goes.
+commit, the all-reduce bytes that failed attempts cost (or may have, for events without byte counts), and where a
+round's sync goes.
 
 ``evs`` is always ``{peer id: [event dicts in file order]}`` as :meth:`benchmarks.faults.Bench.events` returns it
 (a restarted peer has a new peer id, hence its own list).
@@ -94,16 +95,20 @@ def resent_attempts(evs: dict[str, list[dict]]) -> dict[str, float]:
     An all-reduce that completed (``allreduce_done``, with its bytes) and then was refused (``allreduce_failed``
     ``refused the group``) or not certified (``commit_failed``) is counted exactly: every ``allreduce_done`` of a
     peer's round except the last one before its ``outer_step`` (all of them in a round it never committed). An
-    ``allreduce_failed`` after the transfer began (an ``allreduce_running`` of the same round and attempt, and no
-    ``allreduce_done``) carries no bytes: such attempts are counted, and bounded by a whole all-reduce's bytes.
+    ``allreduce_failed`` of an attempt that did not complete carries the bytes the attempt had sent
+    (``bytes_sent``, issue 20): counted exactly too. Events from before that field carry none: such an attempt
+    failed after the transfer began (an ``allreduce_running`` of the same round and attempt) is counted, and
+    bounded by a whole all-reduce's bytes.
 
     Returns:
-        ``exact`` (bytes sent in completed all-reduces that were thrown away), ``mid_transfer`` (attempts failed
-        after the transfer began, bytes unknown), ``before`` (attempts failed before it: matchmaking), ``full`` (the
-        median ``bytes_sent`` of one peer's all-reduce of 2+ peers; 0.0 if none) and ``bound`` (``exact`` +
-        ``mid_transfer`` x ``full``).
+        ``exact`` (bytes sent in completed all-reduces that were thrown away), ``failed`` (bytes sent by attempts
+        that failed before completing, from their events), ``mid_counted`` (attempts failed after the transfer
+        began, with their bytes in ``failed``), ``mid_transfer`` (attempts failed after the transfer began, bytes
+        unknown), ``before`` (attempts failed before it: matchmaking), ``full`` (the median ``bytes_sent`` of one
+        peer's all-reduce of 2+ peers; 0.0 if none) and ``bound`` (``exact`` + ``failed`` + ``mid_transfer`` x
+        ``full``).
     """
-    exact, mid, before = 0, 0, 0
+    exact, failed, counted, mid, before = 0, 0, 0, 0, 0
     full = [e["bytes_sent"] for lst in evs.values() for e in lst
             if e["event"] == Event.ALLREDUCE_DONE and not e.get("lone") and e.get("group_size", 0) > 1]
     for lst in evs.values():
@@ -118,12 +123,15 @@ def resent_attempts(evs: dict[str, list[dict]]) -> dict[str, float]:
             elif e["event"] == Event.OUTER_STEP:  # the last completed all-reduce of the round became the commit
                 done_in.pop((e["round"], attempt.get(e["round"], 0)), None)
             elif e["event"] == Event.ALLREDUCE_FAILED and (e["round"], e["attempt"]) not in done_in:
-                mid += (e["round"], e["attempt"]) in running
-                before += (e["round"], e["attempt"]) not in running
+                began, known = (e["round"], e["attempt"]) in running, "bytes_sent" in e
+                failed += e.get("bytes_sent") or 0
+                counted += began and known
+                mid += began and not known
+                before += not began
         exact += sum(done_in.values())
     med = float(statistics.median(full)) if full else 0.0
-    return {"exact": float(exact), "mid_transfer": float(mid), "before": float(before), "full": med,
-            "bound": exact + mid * med}
+    return {"exact": float(exact), "failed": float(failed), "mid_counted": float(counted), "mid_transfer": float(mid),
+            "before": float(before), "full": med, "bound": exact + failed + mid * med}
 
 
 def round_durations(evs: dict[str, list[dict]], chain: dict[int, str] | None = None) -> dict[int, float]:

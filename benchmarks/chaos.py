@@ -18,7 +18,7 @@ forks (rounds with more than one ``outer_step`` digest, side chains included); s
 :mod:`benchmarks.faults` defines it, counting as reached only the steps in commits on the swarm's chain; time from
 each death to the next commit on the chain by another peer (it includes the rest of the round in which the death
 fell: compare with the round time; a death with no commit after it counts the time to the end of the run, a lower
-bound); all-reduces thrown away (exact bytes of completed ones, a bound for those failed mid-transfer); round time;
+bound); all-reduces thrown away (exact bytes: completed ones, and failed ones from their events); round time;
 peak memory per peer (sum of PSS and of RSS over its process tree: python, DHT, averager, p2pd, sampled every
 ``--rss-every`` s). ``--no-faults --sizes 4,8,16`` instead runs a few fault-free rounds at each N and reports where a
 round's sync goes (:func:`benchmarks._chaos_report.sync_breakdown`) and its growth in N.
@@ -261,9 +261,11 @@ def report_chaos(bench: ChaosBench, status: str) -> int:
           f"{rep.mean_max(list(durations.values()))}")
     w = rep.resent_attempts(evs)
     print(f"  all-reduces thrown away: {w['exact'] / 2**20:.1f} MiB sent in completed ones then refused or not "
-          f"certified; {w['mid_transfer']:.0f} attempts failed mid-transfer (bytes not in the events, bound: a whole "
-          f"all-reduce = {w['full'] / 2**20:.2f} MiB per peer), {w['before']:.0f} in matchmaking; resent per death "
-          f"<= {w['bound'] / 2**20 / max(1, len(deaths)):.2f} MiB (fault-free runs also throw some away)")
+          f"certified; {w['failed'] / 2**20:.1f} MiB sent by {w['mid_counted']:.0f} attempts that failed mid-transfer "
+          f"(from their events); {w['mid_transfer']:.0f} more failed mid-transfer without a byte count (bound: a "
+          f"whole all-reduce = {w['full'] / 2**20:.2f} MiB per peer), {w['before']:.0f} in matchmaking; resent per "
+          f"death <= {w['bound'] / 2**20 / max(1, len(deaths)):.2f} MiB, a whole all-reduce being "
+          f"{w['full'] / 2**20:.2f} MiB per peer (fault-free runs also throw some away)")
     print(f"  peak memory per peer process tree: {memory(bench)}")
     for x in bench.log:
         print(f"    +{x['t'] - bench.t0:6.1f}s {x['kind']:<7} peer{x['slot']} in {x['phase']}")
@@ -293,7 +295,8 @@ def no_faults(args: argparse.Namespace) -> int:
               f"{b['failed']:.2f}s + the attempt that worked {b['attempt']:.2f}s + commit {b['commit']:.2f}s; that "
               f"attempt, where split (n={b['n_matchmaking']:.0f}): matchmaking {b['matchmaking']:.2f}s, transfer "
               f"{b['transfer']:.2f}s; all ready -> first allreduce_done {b['ready_to_done']:.2f}s; all-reduces "
-              f"thrown away {w['exact'] / 2**20:.1f} MiB, attempts failed {w['mid_transfer']:.0f} mid-transfer and "
+              f"thrown away {w['exact'] / 2**20:.1f} MiB + {w['failed'] / 2**20:.1f} MiB of failed attempts, "
+              f"attempts failed {w['mid_counted'] + w['mid_transfer']:.0f} mid-transfer and "
               f"{w['before']:.0f} in matchmaking", flush=True)
     sizes = [n for n, _ in rows]
     for key in ("matchmaking", "ready_to_done", "transfer", "commit", "failed", "sync"):

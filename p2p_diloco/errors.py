@@ -19,7 +19,20 @@ class ConfigMismatch(SwarmError):
 
 
 class RoundFailed(RuntimeError):
-    """An all-reduce did not complete for every value; nothing was applied."""
+    """An all-reduce did not complete for every value; nothing was applied.
+
+    Attributes:
+        bytes_sent: all-reduce bytes this process wrote for the failed attempt before it failed, summed over its
+            averagers: on the direct-TCP data plane every byte of the attempt's connections that the kernel took
+            (headers, sealed parts and answers), on libp2p the serialized tensor parts handed to the streams
+            (swarm/fastpath.py, swarm/runner.py; the same counts as a successful all-reduce's). 0 where nothing
+            moved (no group was found) or nothing is known (a failure outside an all-reduce).
+        bytes_received: likewise, the bytes read.
+    """
+
+    def __init__(self, *args, bytes_sent: int = 0, bytes_received: int = 0):
+        super().__init__(*args)
+        self.bytes_sent, self.bytes_received = bytes_sent, bytes_received
 
 
 class RunError(RuntimeError):

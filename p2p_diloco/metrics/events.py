@@ -58,7 +58,9 @@ CATALOGUE: dict[Event, Spec] = {
     Event.ALLREDUCE_RUNNING: Spec("the group is assembled, tensors are flowing", ("attempt",)),
     Event.ALLREDUCE_DONE: Spec("the average is here (`lone`: a solo step, nobody else was live)",
                                ("group_size", "bytes_sent", "bytes_received", "seconds"), ("lone",)),
-    Event.ALLREDUCE_FAILED: Spec("the attempt failed; nothing was applied", ("reason", "attempt")),
+    Event.ALLREDUCE_FAILED: Spec("the attempt failed; nothing was applied (`bytes_sent`, `bytes_received`: what it "
+                                 "moved before it failed, thrown away)", ("reason", "attempt"),
+                                 ("bytes_sent", "bytes_received")),
     Event.STRAGGLERS_DROPPED: Spec("round-mates still training were left out after the straggler deadline",
                                    ("peers", "waited_s")),
     Event.CONTRIBUTION_EXCLUDED: Spec("our reducer left that peer's pseudo-gradient out of the round",

@@ -38,10 +38,13 @@ class StateSync:
         deadline = ctx.clock.monotonic() + sc.round_timeout
         phase = Phase.JOIN if ctx.cfg.outer.overlap else Phase.TRAIN
         while not ctx.stop.is_set():
-            action = rules.decide_join(ctx.state.round, ctx.view(), inner_steps=ctx.cfg.train.inner_steps,
+            view = ctx.view()
+            ahead = sum(1 for claimed in self.chain.unverified.values() if claimed > ctx.state.round)
+            action = rules.decide_join(ctx.state.round, view, inner_steps=ctx.cfg.train.inner_steps,
                                        overlap=ctx.cfg.outer.overlap, waits_for_min_peers=sc.min_peers > 1,
                                        finished=finished(), now=ctx.clock.monotonic(), deadline=deadline,
-                                       poll=min(rules.JOIN_POLL, sc.heartbeat_period))
+                                       poll=min(rules.JOIN_POLL, sc.heartbeat_period), me=ctx.swarm.peer_id or "",
+                                       head_members=self.chain.head_members(), unverified_ahead=ahead)
             if isinstance(action, Start):
                 return action.phase
             if isinstance(action, CatchUp):

@@ -21,6 +21,7 @@ from .certifier import Certifier
 from .chain import Chain
 from .context import PeerContext, PeerStats
 from .state_sync import StateSync
+from .suspects import Suspects
 
 log = logging.getLogger("p2p_diloco.peer")
 
@@ -35,6 +36,8 @@ class Syncer:
         self.last_group_size = 1  # of our last all-reduce (1: we stepped alone)
         # round-mates that failed attempts with us: left out of group sizing for a cool-down (liveness.py)
         self.liveness = Liveness(cool_down=ctx.cfg.swarm.round_timeout)
+        self.suspects = Suspects(ctx.swarm.probe, ctx.clock.monotonic)  # round-mates our own probe found dead
+        self.died: frozenset[str] = frozenset()  # members of the running attempt found dead (it was aborted)
 
     def sync(self, r: int, buffer: list, tokens: int) -> Certificate | None:
         """Average ``buffer`` (our pseudo-gradient from theta(``r``), left as it is for a retry) with the round's
@@ -48,10 +51,11 @@ class Syncer:
         ctx.swarm.publish(phase=Phase.SYNC)  # our pseudo-gradient for this round is ready
         while not ctx.stop.is_set():
             view, now = ctx.view(), ctx.clock.monotonic()
-            me = rules.SyncState(r, ctx.state.digest, wait.deadline, alone_since=alone_since,
+            gone = self.suspects.in_round(view, r)
+            me = rules.SyncState(r, ctx.state.digest, wait.deadline, alone_since=alone_since, suspects=gone,
                                  confirm_for=sc.peer_ttl + sc.heartbeat_period, overlap=ctx.cfg.outer.overlap,
                                  cooling=self.liveness.cooling(now), round_deadline=wait.started + sc.round_timeout,
-                                 solo_problem=self.chain.extension_problem([ctx.swarm.peer_id or ""]))
+                                 me=ctx.swarm.peer_id or "", head_members=self.chain.head_members())
             action = rules.decide_sync(me, view, now)
             if not isinstance(action, Wait):  # a Wait waits for round-mates still training: none is left out
                 self._watch_stragglers(wait, consensus.training(view, r), r, now)
@@ -82,7 +86,10 @@ class Syncer:
                 self.liveness.succeeded(action.members or (), ctx.clock.monotonic())
                 wait.averaged(ctx.clock.monotonic())
                 return certificate
-            cooled = [] if ctx.stop.is_set() else self.liveness.failed(action.charged, ctx.clock.monotonic())
+            # an attempt a member's death aborted is nobody's failure: the dead are left out as suspects, and a
+            # restarted one must not find itself cooling down
+            charged = () if self.died else action.charged
+            cooled = [] if ctx.stop.is_set() else self.liveness.failed(charged, ctx.clock.monotonic())
             if cooled:
                 log.warning("round %d: %s failed %d attempts in a row with us: left out of our groups for a "
                             "cool-down", r + 1, ", ".join(cooled), self.liveness.peers[cooled[0]].streak)
@@ -132,16 +139,24 @@ class Syncer:
             ctx.emit_in_round(Event.ALLREDUCE_RUNNING, r, attempt=attempt)
 
         look = None if action.give_up_at is None else max(0.5, action.give_up_at - ctx.clock.monotonic())
+        self.died = frozenset()
+
+        def should_stop() -> bool:  # polled every 0.1 s; probes at most every suspects.INTERVAL
+            self.died = self.died or self.suspects.of(action.members or ())
+            return ctx.stop.is_set() or bool(self.died)
+
         request = AllReduceRequest(
             round=r, tensors=buffer, weight=tokens, group_size=action.group_size,
             gather={"round": r, "digest": ctx.state.digest, "tokens": tokens, "head": ctx.state.chain_head},
-            should_stop=ctx.stop.is_set,
+            should_stop=should_stop,
             on_running=on_running, matchmaking_time=self.deadlines.get("matchmaking"),
             allreduce_timeout=self.deadlines.get("allreduce"), matchmaking_timeout=look)
         try:
             result = ctx.state.average(ctx.swarm, request)
         except RoundFailed as e:
-            ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=str(e), attempt=attempt)
+            reason = f"{', '.join(sorted(self.died))} died (our probe was refused)" if self.died else str(e)
+            ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=reason, attempt=attempt,
+                              bytes_sent=e.bytes_sent, bytes_received=e.bytes_received)
             if running:
                 self.deadlines.allreduce.backoff()
             elif action.all_in and not ctx.stop.is_set():
@@ -154,7 +169,8 @@ class Syncer:
         problem = problem or self.chain.extension_problem(list(result.gathered))
         if problem:  # we do not sign: no certificate of this group can exist, and nobody applies its step
             log.error("round %d: refusing the group: %s", r + 1, problem)
-            ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=f"refused the group: {problem}", attempt=attempt)
+            ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=f"refused the group: {problem}", attempt=attempt,
+                              bytes_sent=result.bytes_sent, bytes_received=result.bytes_received)
             return None
         return self._certify(r, ctx.state.prepare_averaged(ctx.swarm), result.gathered, got_result_at)
 

@@ -153,13 +153,17 @@ class Certificate:
     @classmethod
     def from_bytes(cls, data: bytes) -> Certificate:
         """ValueError on anything malformed or over :data:`MAX_BYTES`."""
-        if len(data) > MAX_BYTES:
-            raise ValueError(f"certificate of {len(data)} bytes (at most {MAX_BYTES})")
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"malformed certificate: {e}") from None
-        return cls.from_json(body)
+        return cls.from_json(_json(data, MAX_BYTES, "certificate"))
+
+
+def _json(data: bytes, limit: int, what: str) -> Any:
+    """``data`` parsed as JSON; ValueError if it is over ``limit`` bytes or malformed (a peer's data)."""
+    if len(data) > limit:
+        raise ValueError(f"{what} of {len(data)} bytes (at most {limit})")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"malformed {what}: {e}") from None
 
 
 def sign(statement: Statement, signer: Signer) -> tuple[bytes, bytes]:
@@ -190,6 +194,33 @@ def check_link(prev: Certificate | None, cert: Certificate, keys: KeyBook) -> st
         kept = len(set(s.members) & set(p.members))
         return f"only {kept} of the previous group's {len(p.members)} members signed (half is needed)"
     return None
+
+
+CHAIN_LENGTH = 8  # certificates before the head a peer publishes (as many as fit in CHAIN_BYTES)
+CHAIN_BYTES = 64 * 1024  # one chain blob: 64 peers' blobs stay under the 4 MiB of one DHT reply (swarm/port.py)
+
+
+def encode_chain(certificates: Sequence[Certificate]) -> bytes:
+    """The newest of ``certificates`` (oldest first) that fit in :data:`CHAIN_BYTES`, at most :data:`CHAIN_LENGTH`,
+    as one blob (a JSON list): what a peer publishes of its chain before its head, so that a peer that fell behind
+    can walk from its own certificate to the swarm's (:func:`~p2p_diloco.protocol.trust.linked`)."""
+    kept: list[bytes] = []
+    size = 2
+    for cert in reversed(list(certificates)[-CHAIN_LENGTH:]):
+        raw = cert.to_bytes()
+        if size + len(raw) + 1 > CHAIN_BYTES:
+            break
+        kept.insert(0, raw)
+        size += len(raw) + 1
+    return b"[" + b",".join(kept) + b"]"
+
+
+def decode_chain(data: bytes) -> list[Certificate]:
+    """The certificates of a blob made by :func:`encode_chain`; ValueError on anything malformed or too long."""
+    body = _json(data, CHAIN_BYTES, "chain")
+    if not isinstance(body, list) or len(body) > CHAIN_LENGTH:
+        raise ValueError(f"a chain is a list of at most {CHAIN_LENGTH} certificates")
+    return [Certificate.from_json(c) for c in body]
 
 
 def keeps_enough(previous: Sequence[str], signers: Sequence[str]) -> bool:

@@ -6,6 +6,7 @@ Pure functions over a :data:`~p2p_diloco.protocol.records.View`: no network, no 
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections import Counter
 from typing import Iterable
@@ -113,3 +114,29 @@ def behind(view: View, round_: int) -> list[str]:
     """Live peers still working towards ``round_`` (joining, training or syncing an earlier round), sorted."""
     return sorted(pid for pid, p in view.items()
                   if p.phase in (Phase.JOIN, Phase.TRAIN, Phase.SYNC) and p.round < round_)
+
+
+def seats(round_: int, candidates: Iterable[str], previous: Iterable[str] | None, cap: int) -> list[str]:
+    """Who sits in round ``round_``'s group when more than ``cap`` peers could (a certificate holds at most
+    :data:`~p2p_diloco.protocol.certificate.MAX_MEMBERS` members): a group is every live peer of its round, so above
+    the cap no group could ever form, and peers that kept failing would cool each other down (found by
+    ``benchmarks/protocol_sim.py --scale 70``). Sorted; ``candidates`` itself (sorted) when it fits.
+
+    Every peer computes the same seats from the same candidates: half of the seats (rounded up) go to members of
+    the group that certified our state (``previous``), the rest to the other candidates, each part in an order
+    drawn from the round (a hash of the round and the peer id), so the peers left out change from round to round
+    and two rounds' groups keep the half of each other that the hand-off rule needs. Seats left empty by one part
+    go to the other. The peers without a seat sit the round out (their round's work is lost, never forked) and
+    take theta(round+1) from the group."""
+    pool = sorted(set(candidates))
+    if len(pool) <= cap:
+        return pool
+
+    def order(pids: Iterable[str]) -> list[str]:
+        return sorted(pids, key=lambda pid: hashlib.sha256(f"{round_}:{pid}".encode()).digest())
+
+    before = set(previous or ())
+    kept, new = order(p for p in pool if p in before), order(p for p in pool if p not in before)
+    half = (cap + 1) // 2
+    first = kept[:max(half, cap - len(new))]
+    return sorted(first + new[:cap - len(first)])

@@ -58,6 +58,8 @@ class PeerRecord:
     eval_loss: float | None = field(default=None, metadata=wire("finite"))
     last_sync: float | None = field(default=None, metadata=wire("finite"))  # time.time() of its last all-reduce
     shard_peers: tuple[str, ...] | None = field(default=None, metadata=wire("str_list"))  # sharded: who keeps j
+    # where the publisher listens (its libp2p multiaddrs, at most 4): the others' probes dial them (swarm/probe.py)
+    maddrs: tuple[str, ...] | None = field(default=None, metadata=wire("str_list"))
     # A reachable peer catching up from a client-mode donor: the round it needs (``wants``) and the client it asks
     # to push it (``ask``, a peer id; "" or absent: no wish). See protocol/push.py.
     wants: int | None = field(default=None, metadata=wire("count"))
@@ -73,8 +75,9 @@ class PeerRecord:
         known = {k: v for k, v in values.items() if k in FIELDS and v is not None}
         if "phase" in known:
             known["phase"] = Phase(known["phase"])
-        if "shard_peers" in known:
-            known["shard_peers"] = tuple(known["shard_peers"])
+        for name in ("shard_peers", "maddrs"):
+            if name in known:
+                known[name] = tuple(known[name])
         return cls(**known)
 
 

@@ -22,6 +22,7 @@ from typing import Any, Callable, Collection, Mapping
 from . import consensus
 from .actions import (AllReduce, CatchUp, GiveUp, ConfirmAlone, Download, Leave, Repair, Solo, Start, Stay, TrainAhead,
                       Wait)
+from .certificate import MAX_MEMBERS, keeps_enough
 from .records import Phase, View
 
 JOIN_POLL = 0.2  # a newcomer waiting for a round boundary looks this often: the window to start in is short
@@ -48,13 +49,26 @@ def decide_first_round(view: View, round_: int, min_peers: int, now: float, dead
 
 
 def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, waits_for_min_peers: bool,
-                finished: bool, now: float, deadline: float, poll: float = JOIN_POLL) -> CatchUp | Start | Wait:
+                finished: bool, now: float, deadline: float, poll: float = JOIN_POLL, me: str = "",
+                head_members: Collection[str] | None = None, unverified_ahead: int = 0) -> CatchUp | Start | Wait:
     """A newcomer holding theta(``round_``): start now, catch up first, or wait for the next round boundary?
 
     A newcomer that starts a round that is well under way makes every other peer of that round wait for its inner
     steps (:func:`consensus.round_well_under_way`). The first round of a swarm that waited for ``min_peers``
     (``waits_for_min_peers``) is the exception: the others expect us in it. With ``outer.overlap`` the round we
     can still contribute to is decided later (:func:`decide_overlap_entry`), so we start announced as ``join``.
+
+    A member of the group that certified theta(``round_``) (``head_members``; ``me``: our peer id), restarted from
+    its checkpoint, starts at once when the members of that group still in the round are fewer than half of it:
+    without us they cannot extend the chain (the hand-off rule) and wait for us (:func:`decide_sync`), so waiting
+    for the end of their round would be a deadlock (found by ``benchmarks/chaos.py``: half of a group killed and
+    restarted).
+
+    A newcomer with no certificate (``head_members`` None) that sees ``unverified_ahead`` records of later rounds
+    it cannot verify yet (none of its ``--initial-peers`` signed their certificates: e.g. its initial peer restarted
+    with a new identity and has not been in a group since) waits for one it can verify, until ``deadline``:
+    starting now would start a chain of its own from theta(0) beside the swarm's (found by ``benchmarks/chaos.py
+    --new-identity``: newcomers trained alone from round 1).
     """
     phase = Phase.JOIN if overlap else Phase.TRAIN
     if finished:
@@ -63,8 +77,16 @@ def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, wai
         return Start(phase=phase, reason="waited swarm.round_timeout for a round boundary")
     if consensus.swarm_round(view) > round_:
         return CatchUp(reason=f"the swarm is past round {round_}")
+    if unverified_ahead and head_members is None:
+        return Wait(seconds=poll, reason=f"{unverified_ahead} peer(s) ahead of us whose certificates none of our "
+                                         f"initial peers signed yet: waiting for one we can verify")
     if round_ == 0 and waits_for_min_peers:
         return Start(phase=phase, reason="the first round of a swarm that waited for its peers")
+    if head_members and me in head_members:
+        still = [pid for pid in head_members if pid in view and view[pid].round == round_ and view[pid].synced]
+        if still and not keeps_enough(head_members, still):
+            return Start(phase=phase, reason=f"only {len(still)} of the {len(head_members)} members of round "
+                                             f"{round_}'s group are left in it: the hand-off needs us")
     if not consensus.round_well_under_way(view, round_, inner_steps, overlap):
         return Start(phase=phase, reason=f"round {round_ + 1} is not under way yet")
     return Wait(seconds=poll, reason=f"round {round_ + 1} is well under way: waiting for its end")
@@ -99,6 +121,11 @@ class SyncState:
             out of the group, of the round-mates waited for, and of the records that hold back a solo step.
         round_deadline: ``now`` after which round-mates still training no longer hold back a solo step (the start
             of our sync + ``swarm.round_timeout``, the bound on any wait for one round).
+        me: our peer id.
+        suspects: round-mates whose direct dial our own probe just found refused (:mod:`p2p_diloco.peer.suspects`):
+            dead, so their records count as expired.
+        head_members: the members of the certificate of theta(``round``) (None: we hold none); a group that keeps
+            fewer than half of them cannot extend our chain (the hand-off rule).
     """
 
     round: int
@@ -109,13 +136,16 @@ class SyncState:
     overlap: bool = False
     cooling: frozenset[str] = field(default_factory=frozenset)
     round_deadline: float = math.inf
-    solo_problem: str | None = None  # why a round we certify alone would not follow our chain (trust.extension_problem)
+    me: str = ""  # our peer id
+    suspects: frozenset[str] = field(default_factory=frozenset)  # round-mates our own probe found dead
+    head_members: tuple[str, ...] | None = None  # the group that certified theta(round) (None: no certificate)
 
 
 def decide_sync(s: SyncState, view: View, now: float
                 ) -> CatchUp | Repair | Wait | ConfirmAlone | Solo | AllReduce | GiveUp:
     """Our pseudo-gradient for the round after theta(``s.round``) is ready: what now? Checked in this order:
 
+    * records of ``s.suspects`` (found dead by our own probe) are left out, as if expired; then
     * the swarm is past our round, or will not follow us ahead → :class:`CatchUp` (our work is dropped); peers
       cooling down do not lead unless they are all there is;
     * the synced peers of our round mostly hold another digest than ours → :class:`Repair`;
@@ -124,10 +154,16 @@ def decide_sync(s: SyncState, view: View, now: float
       peers cooling down (``s.cooling``) count for nothing;
     * nobody to group with, but round-mates still training past the straggler deadline → :class:`Wait` for them
       (until ``s.round_deadline``): leaving them out is only for a group of the others, never for a solo step;
+    * a group smaller than the round-mates cooling down, or one the hand-off rule forbids, takes them in again;
+      above :data:`~p2p_diloco.protocol.certificate.MAX_MEMBERS` peers the group is those seated, and without a
+      seat → :class:`Wait` (the round is sat out, then caught up): :func:`_limited`;
+    * a group that would not keep half of the group that certified our state → :class:`Wait` for the members
+      of that group live in our round, :class:`GiveUp` at ``s.round_deadline`` (never a fork);
     * nobody else is in our round → :class:`Solo`, once confirmed over a record lifetime (:func:`_alone`);
     * otherwise → :class:`AllReduce` with exactly that group.
     """
     r = s.round
+    view = {pid: p for pid, p in view.items() if pid not in s.suspects}
     # A peer cooling down can be ahead of the others only by a solo step (it is in no group of ours): following it
     # would drop our round for its one-peer step. The others decide, unless every other peer is cooling down (then
     # we may well be the broken one, and must not drift away from the swarm).
@@ -151,18 +187,59 @@ def decide_sync(s: SyncState, view: View, now: float
     if not mates and late and now < s.round_deadline:
         return Wait(seconds=TRAINING_POLL, reason=f"no round-mate ready; {len(late)} still training past the straggler "
                                                   f"deadline, and a solo step beside them would shut them out")
-    if not mates and s.solo_problem:
-        # stepping alone would leave our certified chain: round-mates cooling down get another chance first
-        mates = sorted(pid for pid, p in view.items() if p.round == r and p.phase in ready and pid in s.cooling)
-        if not mates and now >= s.round_deadline:
-            return GiveUp(reason=f"no round-mate came back within swarm.round_timeout, and alone: {s.solo_problem}")
-        if not mates:
-            return Wait(seconds=TRAINING_POLL, reason=f"no round-mate, and we cannot step alone: {s.solo_problem}")
+    cooled = sorted(pid for pid, p in view.items() if p.round == r and p.phase in ready and pid in s.cooling)
+    mates = _limited(s, mates, cooled)
+    if mates is None:
+        return Wait(seconds=TRAINING_POLL, reason=f"more peers in round {r + 1} than a group holds ({MAX_MEMBERS}) "
+                                                  f"and no seat for us: sitting this round out")
+    problem = _hand_off_problem(s, mates)
+    if problem:
+        return _wait_for_hand_off(s, view, mates, problem, now)
     if not mates:
         return _alone(s, now)
     give_up_at = s.straggler_deadline if late and ready != (Phase.SYNC,) else None
     return AllReduce(group_size=len(mates) + 1, all_in=not late, give_up_at=give_up_at, members=tuple(mates),
                      reason=f"{len(mates)} round-mate(s) " + ("ready" if not late else f"({len(late)} training)"))
+
+
+def _limited(s: SyncState, mates: list[str], cooled: list[str]) -> list[str] | None:
+    """The round-mates of our group, given those ready (``mates``) and those cooling down (``cooled``): None if
+    the group is full without us.
+
+    A group smaller than the round-mates we cooled down may be the broken side (a network outage fails every
+    group, and after it every peer would have cooled every other one down and stepped alone: a fork), and one the
+    hand-off rule forbids cannot commit: then the round-mates cooling down get another chance. Above
+    :data:`~p2p_diloco.protocol.certificate.MAX_MEMBERS`, the group is the peers :func:`consensus.seats` seats."""
+    if len(mates) + 1 < len(cooled) or (cooled and _hand_off_problem(s, mates)):
+        mates = sorted(mates + cooled)
+    if len(mates) + 1 <= MAX_MEMBERS:
+        return mates
+    seated = consensus.seats(s.round, [s.me, *mates], s.head_members, MAX_MEMBERS)
+    return [pid for pid in seated if pid != s.me] if s.me in seated else None
+
+
+def _hand_off_problem(s: SyncState, mates: Collection[str]) -> str | None:
+    """Why a round certified by us and ``mates`` would not follow our certified chain (the hand-off rule:
+    :func:`~p2p_diloco.protocol.trust.extension_problem`), or None. No certificate of our own: no rule."""
+    if s.head_members is None or keeps_enough(s.head_members, [s.me, *mates]):
+        return None
+    kept = len(set(s.head_members) & {s.me, *mates})
+    return (f"only {kept} of the {len(s.head_members)} members of round {s.round}'s certified group would sign "
+            f"(half are needed)")
+
+
+def _wait_for_hand_off(s: SyncState, view: View, mates: Collection[str], problem: str, now: float
+                       ) -> Wait | GiveUp:
+    """The group we could form now may not extend our chain: wait for members of our certified group that are
+    live in our round but not ready (a member restarted from its checkpoint joins the round at once for this:
+    :func:`decide_join`), and give up at ``s.round_deadline`` rather than fork."""
+    if now >= s.round_deadline:
+        return GiveUp(reason=f"no group within swarm.round_timeout can extend our chain: {problem}")
+    coming = sorted(pid for pid in s.head_members or () if pid in view and pid not in mates
+                    and view[pid].round == s.round and view[pid].phase in (Phase.JOIN, Phase.TRAIN, Phase.SYNC))
+    if coming:
+        return Wait(seconds=TRAINING_POLL, reason=f"{problem}; waiting for {len(coming)} of them, live in our round")
+    return Wait(seconds=TRAINING_POLL, reason=f"we cannot form a group now: {problem}")
 
 
 def _alone(s: SyncState, now: float) -> ConfirmAlone | Solo:

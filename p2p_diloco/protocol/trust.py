@@ -52,9 +52,10 @@ def initial_peer_ids(maddrs: Sequence[str]) -> frozenset[str] | None:
 
 
 def trust_problem(cert: Certificate, head: Certificate | None, roots: frozenset[str] | None, run_id: str,
-                  fingerprint: str, keys: KeyBook) -> str | None:
+                  fingerprint: str, keys: KeyBook, known: Mapping[str, Certificate] | None = None) -> str | None:
     """Why we may not follow ``cert`` (None if we may; module docstring). ``head``: our own certificate (None:
-    we hold none); ``roots``: the peer ids of our ``--initial-peers`` (None: we were given none)."""
+    we hold none); ``roots``: the peer ids of our ``--initial-peers`` (None: we were given none); ``known``:
+    certificates read from the swarm, by id, through which ``cert`` may be :func:`linked` to ``head``."""
     s = cert.statement
     if (s.run_id, s.fingerprint) != (run_id, fingerprint):
         return "a certificate of another run or config"
@@ -71,10 +72,35 @@ def trust_problem(cert: Certificate, head: Certificate | None, roots: frozenset[
         return f"of round {s.round + 1}, not after ours ({head.round + 1})"
     if check_link(head, cert, keys) is None:
         return None
-    if keeps_enough(head.statement.members, s.members):
+    if keeps_enough(head.statement.members, s.members) or (known and linked(head, cert, known, keys)):
         return None
     kept = len(set(head.statement.members) & set(s.members))
     return f"signed by {kept} of the {len(head.statement.members)} members of our last certified group (half needed)"
+
+
+def linked(head: Certificate, cert: Certificate, known: Mapping[str, Certificate], keys: KeyBook) -> bool:
+    """True if ``known`` holds the certificates of every round between ``head`` and ``cert``, each following the
+    one before by the hand-off rule (:func:`~.certificate.check_link`): then ``cert`` follows ours exactly as if
+    we had followed the swarm round by round, whatever the turnover in between. What a peer restarted from an old
+    checkpoint needs: after a few rounds of churn none of its group may be left, and the intermediate certificates
+    come from the others' ``chain`` blobs (certificate.encode_chain). At most :data:`HISTORY` links."""
+    by_prev: dict[str, list[Certificate]] = {}
+    for c in known.values():
+        if head.round < c.round < cert.round:
+            by_prev.setdefault(c.statement.prev, []).append(c)
+    frontier, seen, steps = [head], {head.id}, 0
+    while frontier and steps < HISTORY:
+        steps += 1
+        nxt = []
+        for prev in frontier:
+            if cert.statement.prev == prev.id and check_link(prev, cert, keys) is None:
+                return True
+            for c in by_prev.get(prev.id, ()):
+                if c.id not in seen and check_link(prev, c, keys) is None:
+                    seen.add(c.id)
+                    nxt.append(c)
+        frontier = nxt
+    return False
 
 
 def extension_problem(members, head: Certificate | None, roots: frozenset[str] | None) -> str | None:

@@ -141,7 +141,8 @@ class Averagers:
         names, per shard, its group's member processes and the peer each gathered (``gather["peer"]``: the first
         averager gathers all of ``gather``, the others ``round`` and ``peer`` only).
 
-        Raises :class:`RoundFailed` if any step fails (the others are cancelled and waited for). On success the
+        Raises :class:`RoundFailed` if any step fails (the others are cancelled and waited for), with the bytes the
+        attempt moved until then (its ``bytes_sent`` / ``bytes_received``: :meth:`_attempt_bytes`). On success the
         averages are in the averagers' buffers (:meth:`averaged`); the input tensors are never touched here.
         """
         controls = []
@@ -182,9 +183,34 @@ class Averagers:
                 # One member without a data address is enough for the whole group to choose libp2p.
                 log.warning("direct TCP all-reduce failed (%s); using libp2p streams for this round", one_line(e))
                 self.p2p_only_round = round_
-            raise RoundFailed(one_line(e)) from None
-        self._check_finite()
-        return _result(results, shards, time.monotonic() - t0, assembled[0])
+            sent, received = self._attempt_bytes()
+            raise RoundFailed(one_line(e), bytes_sent=sent, bytes_received=received) from None
+        return self._finish(results, shards, time.monotonic() - t0, assembled[0])
+
+    def _finish(self, results: list, shards: Sequence[int] | None, seconds: float, assembled: float
+                ) -> AllReduceResult:
+        """The result of an attempt whose steps all returned, or RoundFailed with the bytes they counted."""
+        try:
+            self._check_finite()
+            return _result(results, shards, seconds, assembled)
+        except RoundFailed as e:
+            e.bytes_sent = sum(r.get("bytes_sent", 0) for r in results if r)
+            e.bytes_received = sum(r.get("bytes_received", 0) for r in results if r)
+            raise
+
+    def _attempt_bytes(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) by this attempt's all-reduces, summed over the averagers, each as counted in
+        its process (:meth:`ExactAverager.attempt_bytes`) once its step has finished, so that a cancelled step's
+        bytes are in too. An averager that does not answer within 2 s (dead, or stuck) adds nothing."""
+        sent = received = 0
+        for averager in self.list:
+            try:
+                if averager.is_alive():
+                    s, r = averager.attempt_bytes(timeout=2.0)
+                    sent, received = sent + s, received + r
+            except Exception as e:
+                log.debug("no byte counts from an averager: %r", e)
+        return sent, received
 
     def _check_finite(self) -> None:
         """A last line of defence: a non-finite average (every reducer validates, so only a hostile reducer could

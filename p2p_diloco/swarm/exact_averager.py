@@ -11,10 +11,11 @@ Stock hivemind has two properties that break DiLoCo (see shared/docs/hivemind-fi
   part was complete sends an error instead of a partial average; every peer refuses a result in which any part
   came from a failed reducer. Either every value of the vector is a full average, or the step raises.
 
-The averager also counts the payload bytes it sends and receives in each all-reduce, and lets the host change
-the group key and group size per round (the round number lives in the group key, so peers in different rounds
-can never match). Its reducers validate and robustly combine the contributions (``policy``: runner.py,
-reducer.py, fastpath.py), and in a private run (``allowed``) it refuses strangers in matchmaking and as
+The averager also counts the payload bytes it sends and receives in each all-reduce (a failed attempt's too:
+:meth:`ExactAverager.attempt_bytes`), and lets the host change the group key and group size per attempt (the
+round number and the group size live in the group key, so peers in different rounds, or expecting groups of
+different sizes, can never match). Its reducers validate and robustly combine the contributions (``policy``:
+runner.py, reducer.py, fastpath.py), and in a private run (``allowed``) it refuses strangers in matchmaking and as
 downloaders of its state (allowlist.py). The libp2p runner itself is in runner.py.
 """
 
@@ -58,6 +59,29 @@ class _StepFailuresAreTheHosts(logging.Filter):
 
 
 _STEP_FILTER = _StepFailuresAreTheHosts()
+SIZE_BITS = 16  # the group size, at the end of an attempt's group key
+
+
+def attempt_key_bits(group_bits: str, group_size: int) -> str:
+    """The group key bits of an attempt: the host's (the round: averagers.py ``round_bits``), then the group size
+    it asks for, so that only peers asking for the same size meet in matchmaking.
+
+    Why: hivemind's follower takes whatever group its leader sends. A smaller group than it asked for was
+    averaged, then refused by the commit step (``protocol.commit.group_problem``): every byte for nothing. A
+    larger one made hivemind's key rotation raise "Sample larger than population" in the follower as the group
+    assembled (seen 38 times in one 16-peer chaos run): its step failed at once, while the rest of the group ran
+    the all-reduce without it and failed only when its parts did not come (measured with 3 peers and
+    ``next_chunk_timeout`` = 3 s: 3 s after the group assembled on libp2p, 6 s on the TCP data plane).
+    """
+    if not 1 <= group_size < 2**SIZE_BITS:
+        raise ValueError(f"group size {group_size} out of range")
+    return group_bits + format(group_size, f"0{SIZE_BITS}b")
+
+
+async def _keep_key(group_info: GroupInfo) -> None:
+    """Replaces hivemind's key rotation once a group has assembled (``update_key_on_group_assembled``): our key is
+    set for every attempt (:meth:`ExactAverager.set_round_params`), so a rotated key would never be used, and the
+    rotation raises in a follower sent a group larger than its ``target_group_size`` (:func:`attempt_key_bits`)."""
 
 
 def quiet_step_failures() -> None:
@@ -92,6 +116,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
     state_delay = 0.0
     policy = Policy()  # how our reducer validates and combines contributions
     allowed: frozenset[str] | None = None  # swarm.allowed_peers (base58 ids); None = an open swarm
+    _attempt_runners: tuple = ()  # the all-reduce runners of the current attempt, whose bytes attempt_bytes adds
 
     def get_current_state(self):
         """Host process, background thread: what a joining peer downloads from us."""
@@ -107,6 +132,11 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             # hivemind's follower checks only that it is in the leader's list: a leader listed twice would hold two
             # members' slots (two votes in every slice, on the data plane under its one pair key per reducer)
             raise AllreduceException("the leader's group lists a member more than once")
+        target = self._matchmaking.target_group_size
+        if target is not None and group_info.group_size != target:
+            # only a leader that breaks the protocol sends one (the size is in the group key): refused before any
+            # byte moves rather than by the commit step after the whole transfer
+            raise AllreduceException(f"the leader's group has {group_info.group_size} members, we asked for {target}")
         strangers = [p.to_base58() for p in group_info.peer_ids if not self._is_allowed(p)]
         if strangers:  # cannot happen between allowed peers (both ends refuse); a last check before any byte moves
             raise AllreduceException(f"group contains peers outside swarm.allowed_peers: {strangers}")
@@ -156,6 +186,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
                                bounds, weight, self.codec, chunk_timeout=self.next_chunk_timeout or 10.0,
                                key=self.data_key, policy=self.policy, workspace=self._workspace)
         runner.part_delay = self.part_delay
+        self._attempt_runners += (runner,)
         self._data_server.register(runner)
         try:
             out = await runner.run(connect_timeout=self.request_timeout * 3,
@@ -187,6 +218,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids, policy=self.policy, **kwargs,
         )
         runner.part_delay = self.part_delay
+        self._attempt_runners += (runner,)
         assert group_id in self._running_groups, "group must be registered by _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
 
@@ -221,12 +253,15 @@ class ExactAverager(PushMixin, DecentralizedAverager):
 
     async def _set_round_params(self, group_bits: str, group_size: int, future, matchmaking_time=None,
                                 allreduce_timeout=None):
-        """Executed in the averager process: key this round's matchmaking, require exactly ``group_size``, and take
-        this attempt's deadlines (adaptive deadlines change them between attempts)."""
+        """Executed in the averager process: key this attempt's matchmaking (:func:`attempt_key_bits`), require
+        exactly ``group_size``, take this attempt's deadlines (adaptive deadlines change them between attempts),
+        and start counting its bytes from 0."""
         try:
             mm = self._matchmaking
             self._guard_matchmaking(mm)
-            mm.group_key_manager.group_bits = group_bits
+            mm.group_key_manager.group_bits = attempt_key_bits(group_bits, group_size)
+            mm.group_key_manager.update_key_on_group_assembled = _keep_key
+            self._attempt_runners = ()
             mm.group_key_manager.target_group_size = group_size
             mm.target_group_size = mm.min_group_size = group_size
             mm.potential_leaders.target_group_size = group_size
@@ -272,6 +307,19 @@ class ExactAverager(PushMixin, DecentralizedAverager):
                                                               allreduce_timeout=allreduce_timeout)))
         future.result(timeout=timeout)
 
+    async def _attempt_bytes(self, future) -> None:
+        future.set_result((sum(r.bytes_sent for r in self._attempt_runners),
+                           sum(r.bytes_received for r in self._attempt_runners)))
+
+    def attempt_bytes(self, timeout: float) -> tuple[int, int]:
+        """(bytes sent, bytes received) by the all-reduce of the current attempt (since the last
+        :meth:`set_round_params`), as far as it went: a failed one's too (the step's own result carries the
+        counts of a successful one). What is counted: the runners' ``bytes_sent`` / ``bytes_received``
+        (fastpath.py: every byte of the attempt's TCP connections; runner.py: the serialized tensor parts handed
+        to or taken from the libp2p streams). Raises TimeoutError if the averager process does not answer."""
+        future = MPFuture()
+        self._outer_pipe.send(("_attempt_bytes", [], dict(future=future)))
+        return future.result(timeout=timeout)
 
     async def rpc_download_state(self, request: averaging_pb2.DownloadRequest,
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.DownloadData]:

@@ -39,7 +39,7 @@ import torch
 from ..outer.aggregation import Contribution, Policy, combine, rms, validate
 from ..outer.codecs import Codec
 from .data_auth import (NONCE, TAG, DataAuthError, DataKey, DataPeer, check, fresh_nonce, recv_sealed, send_sealed,
-                        sealed_size, subkey, tag)
+                        subkey, tag)
 from .sockets import connect, listen_socket, recv_into, send_all, tune, view_of
 from .workspace import Workspace
 
@@ -77,6 +77,31 @@ class FastPathError(RuntimeError):
     """The direct-TCP all-reduce failed; nothing may be applied."""
 
 
+class _Counted:
+    """One of an all-reduce's connections, counting into its runner's ``bytes_sent`` / ``bytes_received`` every
+    byte the kernel takes from us or gives us, as it moves: a failed all-reduce then knows exactly what it had
+    sent and received (a count after each whole message missed the message cut off). Has what the socket IO of
+    sockets.py and data_auth.py uses: ``send``, ``recv_into``, ``fileno``."""
+
+    __slots__ = ("_sock", "_runner")
+
+    def __init__(self, sock: socket.socket, runner: "FastAllReduce"):
+        self._sock, self._runner = sock, runner
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def send(self, data) -> int:
+        k = self._sock.send(data)
+        self._runner.bytes_sent += k
+        return k
+
+    def recv_into(self, view) -> int:
+        k = self._sock.recv_into(view)
+        self._runner.bytes_received += k
+        return k
+
+
 def group_key(group_id: bytes) -> bytes:
     """The routing key of a group on the data plane (the group id itself is never sent)."""
     return hashlib.sha256(b"p2p-diloco data plane" + group_id).digest()[:16]
@@ -97,6 +122,10 @@ class FastAllReduce:
         key: our data-plane key (its public half is ``peers[index].public``).
         policy: how our slice's contributions are validated and combined (aggregation.py).
         workspace: where the parts we receive and our reduction go (workspace.py); a new one if None.
+
+    ``bytes_sent`` / ``bytes_received`` count every byte of this all-reduce's connections as the kernel takes or
+    gives it: a sender's header, the sealed parts and answers, the reply headers; not the header of a sender's
+    connection to us, which the data server reads (data_server.py). Exact at any time, after a failure too.
     """
 
     def __init__(self, group_id: bytes, index: int, peers: Sequence[DataPeer], flat: torch.Tensor,
@@ -210,9 +239,9 @@ class FastAllReduce:
     async def _serve(self, sock: socket.socket, sender: Sender) -> None:
         numel = self._numel(self.index)
         data = self.workspace.get(f"part{sender.index}", self.codec.payload_bytes(numel), torch.uint8)
+        sock = _Counted(sock, self)
         await recv_sealed(sock, view_of(data), subkey(sender.pair_key, b"up", sender.nonce), self.encrypt,
                           self.chunk_timeout, self._touch)
-        self.bytes_received += sealed_size(data.numel(), self.encrypt)
         contribution = Contribution(sender.index, self.codec.decode(data, numel), sender.weight)
         # Its chunks' RMS now, off the event loop, while the other parts are still arriving and it is still in the
         # cache: after the last arrival the reduction only compares them (issue 18, point 6: measuring them there
@@ -225,8 +254,6 @@ class FastAllReduce:
             await self._reduce()
         encoded = await asyncio.shield(self.averaged)
         reply_nonce = fresh_nonce()
-        # Counted once handed to the transport: the sender may finish (and our stats be read) before we return.
-        self.bytes_sent += sealed_size(encoded.numel(), self.encrypt) + _REPLY.size
         await send_all(sock, memoryview(_REPLY.pack(0, reply_nonce, encoded.numel())), self.chunk_timeout)
         await send_sealed(sock, view_of(encoded), subkey(sender.pair_key, b"down", sender.nonce + reply_nonce),
                           self.encrypt, self.chunk_timeout)
@@ -273,6 +300,7 @@ class FastAllReduce:
             sock = await connect(self.addresses[j], connect_timeout)
         except (OSError, asyncio.TimeoutError) as e:
             raise FastPathError(f"cannot connect to member {j} at {self.addresses[j]}: {type(e).__name__}") from None
+        raw, sock = sock, _Counted(sock, self)
         try:
             pair_key, nonce = self._pair_key(self.index, j), fresh_nonce()
             payload = view_of(self.codec.encode(self._slice(self.flat, j)))
@@ -282,7 +310,6 @@ class FastAllReduce:
             await send_all(sock, memoryview(header), self.chunk_timeout)
             await send_sealed(sock, payload, subkey(pair_key, b"up", nonce), self.encrypt, self.chunk_timeout,
                               send=self._paced if self.part_delay else send_all)
-            self.bytes_sent += sealed_size(len(payload), self.encrypt) + len(header)
             # The reducer answers only once every member's part is in: allow for the slowest sender's transfer.
             reply = bytearray(_REPLY.size)
             await recv_into(sock, memoryview(reply)[:1], self.wait_timeout)
@@ -295,7 +322,6 @@ class FastAllReduce:
                 raise FastPathError(f"reducer {j} answers {length} bytes, expected {data.numel()}")
             await recv_sealed(sock, view_of(data), subkey(pair_key, b"down", nonce + reply_nonce), self.encrypt,
                               self.chunk_timeout)
-            self.bytes_received += sealed_size(data.numel(), self.encrypt) + _REPLY.size
             self._decode_into(data, j)
         except ConnectionError as e:
             # The reducer hung up: it aborted its slice (another member failed it) or it died.
@@ -303,9 +329,9 @@ class FastAllReduce:
         except DataAuthError as e:
             raise FastPathError(f"the answer of reducer {j} did not authenticate: {e}") from None
         finally:
-            sock.close()
+            raw.close()
 
-    async def _paced(self, sock: socket.socket, view: memoryview, timeout: float) -> None:
+    async def _paced(self, sock: _Counted, view: memoryview, timeout: float) -> None:
         """Fault tests only: stretch the transfer so that a signal lands in the middle of it."""
         for start in range(0, len(view), 2**14):
             await asyncio.sleep(self.part_delay)

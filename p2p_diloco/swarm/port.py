@@ -8,11 +8,11 @@ driver (:mod:`p2p_diloco.peer`) only ever sees this interface, so every protocol
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import Any, Callable, Collection, ContextManager, Protocol, Sequence
 
 import torch
 
-from ..protocol.certificate import MAX_BYTES, KeyBook, Signer
+from ..protocol.certificate import CHAIN_BYTES, MAX_BYTES, KeyBook, Signer
 from ..protocol.records import PeerRecord
 
 StateProvider = Callable[..., tuple[dict, list[torch.Tensor]]]  # () or (shard) -> (metadata, tensors) to donate
@@ -24,7 +24,9 @@ StateProvider = Callable[..., tuple[dict, list[torch.Tensor]]]  # () or (shard) 
 # or ~113 KB (4096-bit), hence certificate.MAX_BYTES. Mind the total of one key: a DHT reply carries every owner's
 # value of the key in one p2pd message, and a reply over 4 MiB is lost whole (measured: 3.9 MB read in 0.1 s, 4.5 MB
 # not at all): 64 peers that each keep a 64-member certificate under "cert" are already at that limit.
-BLOB_MAX_BYTES = {"sig": 4 * 1024, "cert": MAX_BYTES}
+# "chain": the certificates before a peer's head, as many as fit (certificate.encode_chain), read only by a peer that
+# cannot tie the swarm's head certificates to its own (peer/chain.py).
+BLOB_MAX_BYTES = {"sig": 4 * 1024, "cert": MAX_BYTES, "chain": CHAIN_BYTES}
 BLOB_NAMES = tuple(BLOB_MAX_BYTES)
 
 
@@ -41,6 +43,20 @@ def check_blob(name: str, value: bytes, ttl: float | None, peer_ttl: float) -> f
     if not 0 < ttl <= peer_ttl:
         raise ValueError(f"a blob's ttl must be in (0, swarm.peer_ttl={peer_ttl}], got {ttl}")
     return ttl
+
+
+# probe(): ids per call (all dialled at once: a socket each, at most swarm/probe.py's MAX_ADDRS per id)
+PROBE_MAX_IDS = 64
+
+
+def check_probe(peer_ids: Collection[str], timeout: float) -> None:
+    """``ValueError`` unless ``peer_ids`` (at most :data:`PROBE_MAX_IDS`) and ``timeout`` (> 0) are valid."""
+    if isinstance(peer_ids, str):
+        raise ValueError("probe takes a collection of peer ids, not one string")
+    if len(peer_ids) > PROBE_MAX_IDS:
+        raise ValueError(f"probe takes at most {PROBE_MAX_IDS} peer ids per call, got {len(peer_ids)}")
+    if not timeout > 0:
+        raise ValueError(f"probe timeout must be > 0, got {timeout}")
 
 
 def _never() -> bool:
@@ -123,6 +139,18 @@ class SwarmPort(Protocol):
 
     def live_peers(self) -> dict[str, PeerRecord]:
         """Every other live peer of this run and config."""
+
+    def probe(self, peer_ids: Collection[str], timeout: float) -> frozenset[str]:
+        """The peers among ``peer_ids`` that *this* peer's own direct dial, made now, found with proof that nothing
+        listens where they were reached: the connection was refused or reset (a dead process's host answers so at
+        once). Never a timeout (a frozen, slow or far peer only times out), never another peer's word, never a peer
+        we hold an open connection to, never one we never reached (nowhere to dial), never ourselves, and never a
+        client-mode peer (it accepts no connections, so a refusal proves nothing; callers should leave those out
+        too). A peer that restarted elsewhere with the same identity is reported until it connects to us again.
+
+        All ids are dialled in parallel; the call returns within ``timeout`` plus a fraction of a second whatever
+        happens (what was not proven by then is not reported) and never holds up the DHT. At most
+        :data:`PROBE_MAX_IDS` ids and ``timeout`` > 0, else ``ValueError``. The real rule: swarm/probe.py."""
 
     def put_blob(self, name: str, value: bytes, ttl: float | None = None) -> None:
         """Store ``value`` in our name under the run's key ``name`` (``"sig"`` or ``"cert"``), signed, expiring

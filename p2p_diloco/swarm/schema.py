@@ -79,10 +79,12 @@ LiveRecord = pydantic.create_model("LiveRecord", __base__=_LiveRecordBase,
 # Owned, signed blobs (``SwarmPort.put_blob``: the round certificate exchange), bounded by port.BLOB_MAX_BYTES.
 SigBlob = pydantic.conbytes(strict=True, max_length=BLOB_MAX_BYTES["sig"])
 CertBlob = pydantic.conbytes(strict=True, max_length=BLOB_MAX_BYTES["cert"])
+ChainBlob = pydantic.conbytes(strict=True, max_length=BLOB_MAX_BYTES["chain"])
 
 
 class _RunRecords(pydantic.BaseModel):
-    """The run's shared DHT keys (``{run_id}.live``, ``.config``, ``.sig``, ``.cert``) as SchemaValidator fields.
+    """The run's shared DHT keys (``{run_id}.live``, ``.config``, ``.sig``, ``.cert``, ``.chain``) as SchemaValidator
+    fields.
 
     Each is a dictionary keyed by owner subkeys (identity.py): SchemaValidator checks one ``{subkey: value}`` at a
     time, so every field is a ``Dict[subkey, value]`` (a plain value under these keys is refused)."""
@@ -91,6 +93,7 @@ class _RunRecords(pydantic.BaseModel):
     config: Optional[Dict[StrictBytes, ConfigRecord]] = None
     sig: Optional[Dict[StrictBytes, SigBlob]] = None
     cert: Optional[Dict[StrictBytes, CertBlob]] = None
+    chain: Optional[Dict[StrictBytes, ChainBlob]] = None
 
     class Config:  # our own, so that SchemaValidator's patch of ``schema.Config`` stays ours
         extra = pydantic.Extra.forbid
@@ -169,7 +172,7 @@ class RunRecordsValidator(SchemaValidator):
 # How long each record of the run lives, in units of ``swarm.peer_ttl``: a live record (refreshed every heartbeat),
 # a sig/cert blob (put_blob's ttl is at most peer_ttl) and the config record (refreshed every 10th heartbeat, so it
 # lives longer: Swarm._publish_config).
-LIFETIMES = {"live": 1, "sig": 1, "cert": 1, "config": 5}
+LIFETIMES = {"live": 1, "sig": 1, "cert": 1, "chain": 1, "config": 5}
 # The longest peer_ttl a DHT node accepts from another peer, given its own: 1.5 x its own plus 5 s. The 5 s cover
 # clock skew between hosts (the DHT time is the wall clock; hivemind tolerates 3 s between nodes at bootstrap); a
 # record's lifetime only shrinks on its way to other nodes. peer_ttl is not in the config fingerprint, so nothing

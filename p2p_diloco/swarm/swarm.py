@@ -29,7 +29,7 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import hivemind
 import torch
@@ -44,7 +44,8 @@ from ..protocol.records import Phase, PeerRecord, wire_fields
 from .averagers import Averagers
 from .state_push import Pusher
 from .starting import start_dht, start_failure
-from .port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob
+from .port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
+from .probe import MAX_ADDRS, Prober
 from .identity import Identity, OwnedRecordsValidator, RSAKeyBook, records_by_owner
 from .schema import (LIFETIMES, RUN_KEYS, RecordLimitsValidator, RunRecordsValidator, check_config_record,
                      normalize_record)
@@ -135,6 +136,7 @@ class Swarm:
         self._kept: dict[str, tuple[bytes, float]] = {}  # keep_blob: name -> (value, time.monotonic() of its put)
         self.averagers: Averagers | None = None
         self._pusher: Pusher | None = None  # client mode: hands our state to the peers that ask (state_push.py)
+        self._prober: Prober | None = None  # probe(): direct dials of peers (probe.py)
         self._owned: set[int] | None = None  # our processes (None until started: then every child is ours)
         self.allowed = resolve_allowed_peers(self.sc.allowed_peers)  # None: an open swarm (allowlist.py)
 
@@ -183,9 +185,12 @@ class Swarm:
             self.averagers = Averagers(self.cfg, self.dht, self._groups, self._providers, self.visible_maddrs,
                                        self.allowed, self.identity)
             self._owned = descendants() - before  # DHT, averager(s), p2pd: what shutdown() stops
+            # after the forks: a fork copies no thread, but it could copy a lock the probe thread holds
+            self._prober = Prober(self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr,
+                                                         return_future=True).result(timeout=DHT_CALL_TIMEOUT))
             if not follower:
                 self._publish_config()
-                self.publish(phase=Phase.JOIN)
+                self.publish(phase=Phase.JOIN, maddrs=tuple(self.visible_maddrs()[:MAX_ADDRS]))
         except BaseException:
             self.shutdown()  # a half-started peer must not leave its DHT/p2pd processes behind
             raise
@@ -201,6 +206,8 @@ class Swarm:
     def shutdown(self) -> None:
         """Leave the DHT and stop every process of ours (averager, DHT, p2pd), whatever state they are in."""
         self._stop.set()
+        if self._prober is not None:
+            self._prober.close()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=self.sc.heartbeat_period + 5)
         try:
@@ -272,6 +279,15 @@ class Swarm:
             with self._record_lock:
                 if self._kept.get(name, (None,))[0] is value:
                     self._kept[name] = (value, time.monotonic())
+
+    def probe(self, peer_ids: Collection[str], timeout: float) -> frozenset[str]:
+        """SwarmPort.probe (the rule: probe.py); never dials us, nor a peer whose last record says client mode."""
+        check_probe(peer_ids, timeout)
+        if self._prober is None:
+            return frozenset()
+        records = {pid: (self._seen.get(pid) or ({},))[0] for pid in peer_ids if pid != self.peer_id}
+        return self._prober.probe([pid for pid, r in records.items() if r.get("client") is not True], timeout,
+                                  {pid: r.get("maddrs") or () for pid, r in records.items()})
 
     def get_blobs(self, name: str) -> dict[str, bytes]:
         """``{peer_id: value}``: every owner's unexpired value under ``{run_id}.{name}`` (ours included), only signed

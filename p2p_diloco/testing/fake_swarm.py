@@ -15,7 +15,9 @@ What it models, as the real swarm does it (``p2p_diloco/swarm/``):
   heartbeats and hands its state over, taking the same time; two clients cannot reach each other;
 * **blobs** (``put_blob`` / ``get_blobs``): each peer's latest value per name, expiring like live records, readable by
   every peer (the same :meth:`~FakeNetwork.hide` applies), with the real swarm's checks of name, size and ttl, and
-  hivemind's rule that a put replaces the previous value only if it expires later.
+  hivemind's rule that a put replaces the previous value only if it expires later;
+* **probes** (``probe``): a killed or shut-down peer refuses a dial at once, a frozen one does not (its kernel still
+  accepts), as swarm/probe.py finds them; unlike the real one, the fake knows every started peer's address.
 
 Faults (each a method of :class:`FakeNetwork`): :meth:`~FakeNetwork.kill` (SIGKILL: its tasks end, its parts stop at
 once), :meth:`~FakeNetwork.freeze` / :meth:`~FakeNetwork.thaw` (SIGSTOP / SIGCONT), :meth:`~FakeNetwork.drop` (a
@@ -33,7 +35,7 @@ group names the same members, as every member's "peer" gathered), unless :meth:`
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Collection, Iterator, Sequence
 
 import torch
 
@@ -43,7 +45,7 @@ from ..config.sharing import published_settings
 from ..errors import RoundFailed, SwarmError
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from ..protocol.trust import initial_peer_ids
-from ..swarm.port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob
+from ..swarm.port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
 from . import fake_transfer
 from .fake_allreduce import Call, Group, matchmake
 from .fake_keys import FakeKeys
@@ -289,6 +291,16 @@ class FakeSwarm:
         if name not in BLOB_NAMES:
             raise ValueError(f"blob name must be one of {list(BLOB_NAMES)}, got {name!r}")
         return self.net.read_blobs(self.name, name)
+
+    def probe(self, peer_ids: Collection[str], timeout: float) -> frozenset[str]:
+        """As the real probe (swarm/probe.py), at once: a peer whose process is gone (killed, or shut down) is
+        refused; a frozen one is not (its kernel still accepts), nor a live one, a client-mode one, one never
+        started (nowhere to dial) or ourselves."""
+        self._check_alive()
+        check_probe(peer_ids, timeout)
+        swarms = self.net.swarms
+        return frozenset(pid for pid in peer_ids if pid != self.name and pid in swarms and swarms[pid].peer_id
+                         and not swarms[pid].sc.client_mode and (swarms[pid].dead or swarms[pid].stopped.is_set()))
 
     # ---------------------------------------------------------------------------------------------- averaging
     def _check_alive(self) -> None:

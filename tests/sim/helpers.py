@@ -41,3 +41,17 @@ def assert_every_round_certified_alike(peers: list[SimPeer], rounds: int) -> Non
         assert not p.of(Event.STATE_LOADED), p.events
     assert all(certificates(p) == certificates(peers[0]) for p in peers[1:])
     one_digest(peers)
+
+
+def forks(peers) -> dict[int, set[str]]:
+    """Rounds that honest peers committed (``outer_step``) with more than one state."""
+    states: dict[int, set[str]] = {}
+    for p in peers:
+        for e in p.of(Event.OUTER_STEP):
+            states.setdefault(e["round"], set()).add(e["digest"])
+    return {k: d for k, d in states.items() if len(d) > 1}
+
+
+def roots(*peers: str) -> str:
+    """The setting that gives a simulated peer ``peers`` as its ``--initial-peers``."""
+    return f"swarm.initial_peers={[f'/sim/{p}/p2p/{p}' for p in peers]!r}"

@@ -29,21 +29,9 @@ from benchmarks._protocol_sim_run import Run
 from benchmarks._protocol_sim_schedule import draw
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.testing.harness import SimSwarm
+from tests.sim.helpers import forks
 
 pytestmark = pytest.mark.sim
-
-
-def _forks(peers) -> dict[int, set[str]]:
-    """Rounds that honest peers committed (``outer_step``) with more than one state."""
-    states: dict[int, set[str]] = {}
-    for p in peers:
-        for e in p.of(Event.OUTER_STEP):
-            states.setdefault(e["round"], set()).add(e["digest"])
-    return {k: d for k, d in states.items() if len(d) > 1}
-
-
-def _roots(*peers: str) -> str:
-    return f"swarm.initial_peers={[f'/sim/{p}/p2p/{p}' for p in peers]!r}"
 
 
 def test_a_peer_frozen_across_the_end_of_the_run_does_not_commit_the_last_round_alone():
@@ -56,7 +44,7 @@ def test_a_peer_frozen_across_the_end_of_the_run_does_not_commit_the_last_round_
             swarm.net.freeze(c.name), swarm.sim.call_at(swarm.sim.now + 25.0, lambda: swarm.net.thaw(c.name))))
         swarm.finish([a, b])
         swarm.sim.run(max_time=swarm.sim.now + 120.0)  # c's last decisions (a finished c would be done by now)
-        assert not _forks([a, b, c]), [e for e in c.events if e["event"] in (Event.OUTER_STEP, Event.ALLREDUCE_DONE)]
+        assert not forks([a, b, c]), [e for e in c.events if e["event"] in (Event.OUTER_STEP, Event.ALLREDUCE_DONE)]
 
 
 def test_the_minority_side_of_a_partition_does_not_commit_a_round_of_its_own():
@@ -76,7 +64,7 @@ def test_the_minority_side_of_a_partition_does_not_commit_a_round_of_its_own():
         swarm.when(a, lambda e: e["event"] == Event.ROUND_START and e["round"] == 2, partition)
         swarm.finish([a, b])
         swarm.sim.run(max_time=swarm.sim.now + 120.0)
-        assert not _forks([a, b, c])
+        assert not forks([a, b, c])
 
 
 def test_peers_whose_groups_always_fail_do_not_each_step_alone():
@@ -89,7 +77,7 @@ def test_peers_whose_groups_always_fail_do_not_each_step_alone():
         swarm.when(a, lambda e: e["event"] == Event.ROUND_START and e["round"] == 2,
                    lambda: swarm.net.lead(a.name, size=4, groups=10**6))
         swarm.sim.run(max_time=900.0)
-        assert not _forks([a, b, c])
+        assert not forks([a, b, c])
 
 
 # Every schedule of `python -m benchmarks.protocol_sim --quick` (seeds 1..1000, f=2) that broke an invariant, by

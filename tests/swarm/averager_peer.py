@@ -255,6 +255,7 @@ def main() -> None:
                    help="--transport tcp: serve the data port at once, then allow only this many more open files")
     p.add_argument("--expect", type=int, default=None,
                    help="the group size this peer asks for (default: group_size, the number of peers)")
+    p.add_argument("--step-timeout", type=float, default=15.0, help="each attempt's step timeout")
     args = p.parse_args()
     import hivemind
 
@@ -315,7 +316,8 @@ def main() -> None:
                 t.copy_(mine)
         av.set_round_params("0110", args.expect or args.group_size, timeout=10)
         try:
-            result = av.step(weight=float(args.index + 1), timeout=15, allow_retries=False, gather=gather)
+            result = av.step(weight=float(args.index + 1), timeout=args.step_timeout, allow_retries=False,
+                             gather=gather)
             break
         except Exception as e:
             errors.append(repr(e)[:300])
@@ -330,7 +332,8 @@ def main() -> None:
                    "gathered": {pid.to_base58(): {k: v for k, v in data.items() if k != "data"}  # (bytes)
                                 for pid, data in result["gathered"].items()}}
     else:
-        out = {"ok": False, "error": errors[-1], "errors": errors, "seconds": time.monotonic() - t0}
+        out = {"ok": False, "error": errors[-1], "errors": errors, "seconds": time.monotonic() - t0,
+               "attempt_bytes": av.attempt_bytes(timeout=10)}  # (sent, received) by the last attempt
     with open(args.out + ".json", "w") as f:
         json.dump(out, f)
     # Stay up until every member has its result. Our last averaged part is "sent" once it is written to our

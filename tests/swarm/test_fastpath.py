@@ -411,3 +411,57 @@ def test_a_slow_loris_cannot_shut_a_group_out_of_a_low_fd_peer():
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert all(torch.equal(outs[0], o) for o in outs[1:])
     assert refused > 0 and held <= data_server.MAX_PENDING_PER_ADDRESS
+
+
+def test_a_failed_all_reduce_reports_the_bytes_it_moved_exactly():
+    """Issue 20: a failed all-reduce's ``bytes_sent`` / ``bytes_received`` are what its sockets moved until the
+    failure. Member 1 (played by the test) takes member 0's whole part, then sends a valid header and only the
+    first 30,000 bytes of its own part, and dies. Member 0 fails, having sent its header and sealed part (all of it
+    read by member 1) and received exactly those 30,000 bytes. Before, a part was counted only once it was whole:
+    the cut-off one counted 0."""
+    from p2p_diloco.swarm.data_auth import NONCE, sealed_size, subkey, tag
+
+    cut = 30_000
+
+    async def dying_member(runner1, listener, numel):
+        loop, codec = asyncio.get_running_loop(), get_codec("none")
+        conn, _ = await loop.sock_accept(listener)
+        whole = HEADER_SIZE + sealed_size(codec.payload_bytes(runner1._numel(1)), False)  # member 0's part for us
+        got = 0
+        while got < whole:
+            got += len(await loop.sock_recv(conn, 2**16))
+        nonce = os.urandom(NONCE)
+        layout = (0, runner1.bounds[1], numel)
+        header = (MAGIC + runner1.key + fastpath.INDICES.pack(1, 0, 1.0, codec.payload_bytes(runner1._numel(0)),
+                                                              *layout) + nonce)
+        header += tag(subkey(runner1._pair_key(1, 0), b"hdr", nonce), header)
+        host, port = runner1.addresses[0].rsplit(":", 1)
+        out = socket.socket()
+        out.setblocking(False)
+        await loop.sock_connect(out, (host, int(port)))
+        await loop.sock_sendall(out, header + os.urandom(cut))
+        out.close()  # dies with its part cut off
+        while chunk := await loop.sock_recv(conn, 2**16):  # until member 0 gives up on us
+            got += len(chunk)
+        conn.close()
+        return got
+
+    async def main():
+        servers, runners = await _members(2, get_codec("none"), _vectors(2), [1.0, 1.0], os.urandom(20))
+        servers[1].unregister(runners[1])
+        await servers[1].close()  # member 1's port: the test's own listener from now on
+        host, port = runners[1].addresses[1].rsplit(":", 1)
+        listener = listen_socket(host, int(port))
+        try:
+            member1 = asyncio.ensure_future(dying_member(runners[1], listener, runners[0].flat.numel()))
+            result = await asyncio.wait_for(asyncio.gather(runners[0].run(2.0, 10.0), return_exceptions=True), 20)
+            read_by_member1 = await asyncio.wait_for(member1, 10)
+        finally:
+            listener.close()
+            await _close(servers[:1])
+        return result[0], runners[0], read_by_member1
+
+    error, runner, read_by_member1 = asyncio.run(main())
+    assert isinstance(error, FastPathError), error
+    assert runner.bytes_received == cut, runner.bytes_received
+    assert runner.bytes_sent == read_by_member1 > cut, (runner.bytes_sent, read_by_member1)

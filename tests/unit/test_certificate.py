@@ -146,3 +146,42 @@ def test_a_peer_never_certifies_a_round_its_chain_would_not_follow():
     assert "only 1 of the 3" in extension_problem(("a", "x", "y"), head, None)
     assert extension_problem(("x",), None, None) is None  # the first peer of a swarm
     assert extension_problem(("x",), None, frozenset({"r"})) is None  # no chain yet: initial peers may be bootstraps
+
+
+def test_a_peer_behind_a_total_turnover_follows_the_swarm_through_the_intermediate_certificates():
+    """Issue 20 (found by benchmarks/faults.py): a peer restarted from a checkpoint of round 1 ({a, b, c}) found the
+    swarm in round 4 signed by {d, e, f}: none of its group, so it left every record out and was stuck for good.
+    With the intermediate certificates (the others' chain blobs) it walks the chain link by link."""
+    from p2p_diloco.protocol.certificate import decode_chain, encode_chain
+    from p2p_diloco.protocol.trust import linked, trust_problem
+
+    keys = FakeKeys()
+    certs = _chain(keys, [("a", "b", "c"), ("b", "c", "d"), ("c", "d", "e"), ("d", "e", "f")])
+    head, target = certs[0], certs[-1]
+    args = (head, None, "run", "fp", keys)
+    assert "signed by 0 of the 3" in trust_problem(target, *args)
+    published = decode_chain(encode_chain(certs[:-1]))
+    assert [c.id for c in published] == [c.id for c in certs[:-1]]
+    known = {c.id: c for c in published}
+    assert linked(head, target, known, keys)
+    assert trust_problem(target, *args, known=known) is None
+    missing = {c.id: c for c in published if c.round != 2}  # a gap in the chain: no walk
+    assert not linked(head, target, missing, keys)
+    fake = _chain(keys, [("a", "b", "c"), ("x", "y"), ("x", "y"), ("x", "y")])  # a fork of fresh identities
+    fake_known = {c.id: c for c in fake[1:3]}
+    fake_known[fake[1].id] = certify(statement(members=("x", "y"), round_=1, before="d1", after="d2",
+                                               prev=head.id), keys)
+    assert not linked(head, fake[-1], fake_known, keys)  # every link must keep half of the one before
+
+
+def test_a_chain_blob_holds_as_many_certificates_as_fit():
+    from p2p_diloco.protocol.certificate import CHAIN_BYTES, CHAIN_LENGTH, decode_chain, encode_chain
+
+    keys = FakeKeys()
+    certs = _chain(keys, [tuple(f"m{i}" for i in range(40))] * 12)
+    blob = encode_chain(certs)
+    got = decode_chain(blob)
+    assert len(blob) <= CHAIN_BYTES and 0 < len(got) <= CHAIN_LENGTH
+    assert [c.id for c in got] == [c.id for c in certs[-len(got):]]  # the newest, oldest first
+    with pytest.raises(ValueError):
+        decode_chain(b"[" + b"{}," * 3 + b"{}]")

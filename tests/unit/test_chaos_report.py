@@ -87,6 +87,20 @@ def test_thrown_away_all_reduces_exact_and_bounded():
     w = rep.resent_attempts(evs)
     assert w["exact"] == 700 + 1000 and w["mid_transfer"] == 1 and w["before"] == 1
     assert w["full"] == 1000.0 and w["bound"] == 1700 + 1000
+    assert w["failed"] == 0 and w["mid_counted"] == 0  # (events without byte counts: the old bound)
+
+
+def test_failed_attempts_with_byte_counts_are_counted_exactly():
+    """Issue 20: ``allreduce_failed`` carries the bytes the attempt sent. Those are summed exactly (matchmaking
+    failures carry 0); only events without the field are still bounded by a whole all-reduce."""
+    evs = {"a": sync(10, 1, attempts=3), "b": sync(10, 1, attempts=2), "c": sync(10, 1)}
+    evs["a"].insert(4, ev(10.5, "allreduce_running", 1, attempt=1))
+    evs["a"][5].update(bytes_sent=400, bytes_received=380)  # attempt 1 of a: failed mid-transfer, 400 B sent
+    evs["a"][7].update(bytes_sent=0, bytes_received=0)  # attempt 2 of a: no group
+    evs["b"].insert(4, ev(10.5, "allreduce_running", 1, attempt=1))  # attempt 1 of b: mid-transfer, an old event
+    w = rep.resent_attempts(evs)
+    assert w["exact"] == 0 and w["failed"] == 400 and w["mid_counted"] == 1
+    assert w["mid_transfer"] == 1 and w["before"] == 1 and w["bound"] == 400 + 1000
 
 
 def test_sync_breakdown_phases_and_missing_running():

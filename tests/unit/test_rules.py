@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from p2p_diloco.protocol import rules
+from p2p_diloco.protocol import consensus, rules
 from p2p_diloco.protocol.actions import (AllReduce, CatchUp, ConfirmAlone, Download, GiveUp, Leave, Repair, Solo,
                                          Start, Stay, TrainAhead, Wait)
 from p2p_diloco.protocol.records import Phase, PeerRecord
@@ -123,6 +123,11 @@ JOIN_CASES = [
     ("the run is finished: nothing to wait for", 5, {"a": rec(5, S)}, {"finished": True}, Start, {}),
     ("overlap: announced as join, syncing peers do not block the start", 5, {"a": rec(5, S, inner_step=5)},
      {"overlap": True}, Start, {"phase": J}),
+    ("a newcomer seeing peers ahead it cannot verify yet waits instead of starting a chain of its own", 0, {},
+     {"unverified_ahead": 2}, Wait, {}),
+    ("... bounded by the deadline", 0, {}, {"unverified_ahead": 2, "now": 600.0}, Start, {}),
+    ("a peer with a certificate of its own is not held back by records it does not follow", 5, {},
+     {"unverified_ahead": 2, "head_members": ("a", "b")}, Start, {}),
 ]
 
 
@@ -233,11 +238,85 @@ def test_no_solo_step_that_would_leave_our_certified_chain():
     the others' commit) stepped alone, certifying another state for a round the others certified. A peer now never
     certifies a round its own chain would not follow: it waits, tries cooling round-mates again, and gives up with
     an error after swarm.round_timeout rather than fork."""
-    problem = "only 1 of the 3 members of round 5's certified group would sign (half are needed)"
-    alone = sync_state(alone_since=0.0, confirm_for=7.0, solo_problem=problem, round_deadline=600.0)
+    head = ("b", "c", "me")  # 1 of these 3 alone is not half
+    alone = sync_state(alone_since=0.0, confirm_for=7.0, me="me", head_members=head, round_deadline=600.0)
     assert isinstance(rules.decide_sync(alone, {}, 100.0), Wait)
     assert isinstance(rules.decide_sync(alone, {}, 600.0), GiveUp)
-    cooling = sync_state(solo_problem=problem, cooling=frozenset({"b"}), round_deadline=600.0)
+    cooling = sync_state(me="me", head_members=head, cooling=frozenset({"b"}), round_deadline=600.0)
     action = rules.decide_sync(cooling, {"b": rec(3, S)}, 100.0)
     assert isinstance(action, AllReduce) and action.members == ("b",)
     assert isinstance(rules.decide_sync(sync_state(alone_since=0.0, confirm_for=7.0), {}, 100.0), Solo)
+    pair = sync_state(alone_since=0.0, confirm_for=7.0, me="me", head_members=("b", "me"))
+    assert isinstance(rules.decide_sync(pair, {}, 100.0), Solo)  # the survivor of a pair keeps half of it
+
+
+def test_survivors_below_half_wait_for_their_restarted_members_instead_of_refusing_every_group():
+    """Found by benchmarks/chaos.py: 3 of a group of 5 were killed and restarted from their checkpoints (same
+    identities); the survivors formed groups of 2 and refused each one after its transfer ("only 2 of the 5 members
+    would sign"), while the restarted members waited for the round to end: a livelock. Now the survivors wait for
+    the members live in their round, and those start the round at once (decide_join)."""
+    head = ("a", "b", "c", "d", "me")
+    s = sync_state(me="me", head_members=head, round_deadline=600.0)
+    view = {"a": rec(3, S), "b": rec(3, J, ""), "c": rec(3, J, "")}
+    action = rules.decide_sync(s, view, 10.0)
+    assert isinstance(action, Wait) and "waiting for 2 of them" in action.reason, action
+    assert isinstance(rules.decide_sync(s, view, 600.0), GiveUp)
+    view["b"] = rec(3, T)  # b restarted and trains: waited for like any round-mate, until the straggler deadline
+    action = rules.decide_sync(s, view, 10.0)
+    assert isinstance(action, AllReduce) and action.members == ("a", "b"), action
+    action = rules.decide_sync(s, view, 101.0)  # after it, a group without b would not keep half: wait
+    assert isinstance(action, Wait) and "waiting for 2 of them" in action.reason, action
+    view["b"] = rec(3, S)
+    action = rules.decide_sync(s, view, 101.0)
+    assert isinstance(action, AllReduce) and action.members == ("a", "b"), action
+
+
+@pytest.mark.parametrize("case, me, view, kind", [
+    ("half of our group is left in the round: the hand-off needs us, start now", "me",
+     {"a": rec(5, T, inner_step=60), "b": rec(5, T, inner_step=60)}, Start),
+    ("enough of our group is left: wait for the round's end as any newcomer", "me",
+     {"a": rec(5, T, inner_step=60), "b": rec(5, T, inner_step=60), "c": rec(5, T, inner_step=60)}, Wait),
+    ("not a member of that group: wait", "x", {"a": rec(5, T, inner_step=60)}, Wait),
+    ("nobody of our group is left: nothing to hand off to, wait", "me", {"z": rec(5, T, inner_step=60)}, Wait),
+])
+def test_a_restarted_member_starts_at_once_when_the_hand_off_needs_it(case, me, view, kind):
+    head = ("a", "b", "c", "d", "e", "me")
+    action = rules.decide_join(5, view, **JOIN, me=me, head_members=head)
+    assert isinstance(action, kind), (case, action)
+
+
+def test_peers_that_cooled_down_most_of_their_round_do_not_step_alone():
+    """Found by benchmarks/protocol_sim.py --scale 70: when no group can form (every attempt failing for everyone:
+    an outage, or a group above the certificate's cap), each peer cooled every other one down after
+    swarm.round_timeout and stepped alone: as many states of the round as peers. A group (a solo step included)
+    smaller than the round-mates cooling down is the minority, and gives them another chance instead."""
+    view = {"a": rec(3, S), "b": rec(3, S)}
+    action = rules.decide_sync(sync_state(cooling=frozenset({"a", "b"}), alone_since=1.0), view, 8.0)
+    assert isinstance(action, AllReduce) and action.members == ("a", "b"), action
+    view = {"a": rec(3, S), "b": rec(3, S), "c": rec(3, S)}
+    action = rules.decide_sync(sync_state(cooling=frozenset({"c"})), view, 8.0)
+    assert isinstance(action, AllReduce) and action.members == ("a", "b"), action  # the majority leaves c out
+
+
+def test_above_the_certificate_cap_the_seated_peers_form_the_group_and_the_others_sit_the_round_out():
+    from p2p_diloco.protocol.certificate import MAX_MEMBERS
+    peers = [f"p{i:03d}" for i in range(MAX_MEMBERS + 6)]
+    seated = set(consensus.seats(3, peers, None, MAX_MEMBERS))
+    assert len(seated) == MAX_MEMBERS
+    for me in peers[:12]:
+        view = {pid: rec(3, S) for pid in peers if pid != me}
+        action = rules.decide_sync(sync_state(me=me), view, 1.0)
+        if me in seated:
+            assert isinstance(action, AllReduce) and set(action.members) | {me} == seated, action
+        else:
+            assert isinstance(action, Wait) and "sitting this round out" in action.reason, action
+
+
+def test_seats_rotate_with_the_round_and_keep_half_of_the_previous_group():
+    peers = [f"p{i:03d}" for i in range(200)]
+    previous = consensus.seats(3, peers, None, 64)
+    nxt = consensus.seats(4, peers, previous, 64)
+    assert len(nxt) == 64 and len(set(nxt) & set(previous)) >= 32  # the hand-off rule holds
+    assert set(nxt) != set(previous)  # who sits out changes
+    assert consensus.seats(4, list(reversed(peers)), previous, 64) == nxt  # every peer computes the same seats
+    assert consensus.seats(4, peers[:10], previous, 64) == sorted(peers[:10])
