@@ -197,7 +197,7 @@ def check_link(prev: Certificate | None, cert: Certificate, keys: KeyBook) -> st
 
 
 CHAIN_LENGTH = 8  # certificates before the head a peer publishes (as many as fit in CHAIN_BYTES)
-CHAIN_BYTES = 64 * 1024  # one chain blob: 64 peers' blobs stay under the 4 MiB of one DHT reply (swarm/port.py)
+CHAIN_BYTES = 32 * 1024  # one chain blob: 64 peers' blobs stay well under the 4 MiB of one DHT reply (swarm/port.py)
 
 
 def encode_chain(certificates: Sequence[Certificate]) -> bytes:

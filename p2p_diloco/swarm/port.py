@@ -28,20 +28,27 @@ StateProvider = Callable[..., tuple[dict, list[torch.Tensor]]]  # () or (shard) 
 # cannot tie the swarm's head certificates to its own (peer/chain.py).
 BLOB_MAX_BYTES = {"sig": 4 * 1024, "cert": MAX_BYTES, "chain": CHAIN_BYTES}
 BLOB_NAMES = tuple(BLOB_MAX_BYTES)
+# A blob's lifetime in units of swarm.peer_ttl (keep_blob refreshes it every half lifetime). The chain blob changes
+# once a round and is read only by a peer that fell behind: stored 10 x less often than a certificate, it adds
+# little to the DHT traffic and to the writes through hivemind's command pipe (interleaved writes of several
+# processes can corrupt that pipe under load: docs/protocol.md, known limits).
+BLOB_LIFETIMES = {"sig": 1, "cert": 1, "chain": 10}
 
 
 def check_blob(name: str, value: bytes, ttl: float | None, peer_ttl: float) -> float:
-    """The lifetime of a blob to put (``ttl`` or ``peer_ttl``), if ``name``, ``value`` and ``ttl`` are valid; else
-    ``ValueError`` (the DHT would refuse it silently: a bug of the caller must fail loudly)."""
+    """The lifetime of a blob to put (``ttl``, or by default the longest its name allows: :data:`BLOB_LIFETIMES`), if
+    ``name``, ``value`` and ``ttl`` are valid; else ``ValueError`` (the DHT would refuse it silently: a bug of the
+    caller must fail loudly)."""
     if name not in BLOB_MAX_BYTES:
         raise ValueError(f"blob name must be one of {list(BLOB_NAMES)}, got {name!r}")
     if not isinstance(value, bytes):
         raise ValueError(f"a {name} blob must be bytes, got {type(value).__name__}")
     if len(value) > BLOB_MAX_BYTES[name]:
         raise ValueError(f"a {name} blob holds at most {BLOB_MAX_BYTES[name]} bytes, got {len(value)}")
-    ttl = ttl or peer_ttl
-    if not 0 < ttl <= peer_ttl:
-        raise ValueError(f"a blob's ttl must be in (0, swarm.peer_ttl={peer_ttl}], got {ttl}")
+    longest = peer_ttl * BLOB_LIFETIMES[name]
+    ttl = ttl or longest
+    if not 0 < ttl <= longest:
+        raise ValueError(f"a {name} blob's ttl must be in (0, {longest}] (swarm.peer_ttl={peer_ttl}), got {ttl}")
     return ttl
 
 

@@ -30,7 +30,7 @@ from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictInt, StrictS
 
 from ..errors import SwarmError
 from ..protocol.records import Phase, PeerRecord
-from .port import BLOB_MAX_BYTES
+from .port import BLOB_LIFETIMES, BLOB_MAX_BYTES
 
 Count = pydantic.conint(strict=True, ge=0)
 Finite = pydantic.confloat(strict=True, allow_inf_nan=False)
@@ -172,7 +172,7 @@ class RunRecordsValidator(SchemaValidator):
 # How long each record of the run lives, in units of ``swarm.peer_ttl``: a live record (refreshed every heartbeat),
 # a sig/cert blob (put_blob's ttl is at most peer_ttl) and the config record (refreshed every 10th heartbeat, so it
 # lives longer: Swarm._publish_config).
-LIFETIMES = {"live": 1, "sig": 1, "cert": 1, "chain": 1, "config": 5}
+LIFETIMES = {"live": 1, "config": 5, **BLOB_LIFETIMES}
 # The longest peer_ttl a DHT node accepts from another peer, given its own: 1.5 x its own plus 5 s. The 5 s cover
 # clock skew between hosts (the DHT time is the wall clock; hivemind tolerates 3 s between nodes at bootstrap); a
 # record's lifetime only shrinks on its way to other nodes. peer_ttl is not in the config fingerprint, so nothing

@@ -44,7 +44,7 @@ from ..protocol.records import Phase, PeerRecord, wire_fields
 from .averagers import Averagers
 from .state_push import Pusher
 from .starting import start_dht, start_failure
-from .port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
+from .port import BLOB_LIFETIMES, BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
 from .probe import MAX_ADDRS, Prober
 from .identity import Identity, OwnedRecordsValidator, RSAKeyBook, records_by_owner
 from .schema import (LIFETIMES, RUN_KEYS, RecordLimitsValidator, RunRecordsValidator, check_config_record,
@@ -256,9 +256,8 @@ class Swarm:
         self._dht_call("store", f"{self.run_id}.config", fields, expiration, subkey=self.identity.subkey())
 
     def put_blob(self, name: str, value: bytes, ttl: float | None = None) -> None:
-        """Store ``value`` under ``{run_id}.{name}`` in our name, signed, expiring ``ttl`` (at most, and by default,
-        ``swarm.peer_ttl``) from now. ``name`` is ``"sig"`` or ``"cert"``, ``value`` at most
-        ``schema.BLOB_MAX_BYTES[name]`` bytes: anything else raises ``ValueError`` (the DHT would refuse it).
+        """Store ``value`` under ``{run_id}.{name}`` in our name, signed, expiring ``ttl`` from now (``check_blob``:
+        the names, sizes and lifetimes allowed; anything else raises ``ValueError``: the DHT would refuse it).
 
         hivemind keeps, per owner, the value with the latest expiration: a put replaces our previous value only if it
         expires later (with a constant ttl, every later put does)."""
@@ -266,14 +265,15 @@ class Swarm:
         self._dht_call("store", f"{self.run_id}.{name}", value, get_dht_time() + ttl, subkey=self.identity.subkey())
 
     def keep_blob(self, name: str, value: bytes) -> None:
-        """:meth:`put_blob` now, and again from the heartbeat every half record lifetime until we leave."""
+        """:meth:`put_blob` now, and again from the heartbeat every half of its lifetime until we leave."""
         self.put_blob(name, value)
         with self._record_lock:
             self._kept[name] = (value, time.monotonic())
 
     def _refresh_kept(self) -> None:
+        half = {name: self.sc.peer_ttl * lifetime / 2 for name, lifetime in BLOB_LIFETIMES.items()}
         with self._record_lock:
-            due = {n: v for n, (v, t) in self._kept.items() if time.monotonic() - t >= self.sc.peer_ttl / 2}
+            due = {n: v for n, (v, t) in self._kept.items() if time.monotonic() - t >= half[n]}
         for name, value in due.items():
             self.put_blob(name, value)
             with self._record_lock:

@@ -45,7 +45,7 @@ from ..config.sharing import published_settings
 from ..errors import RoundFailed, SwarmError
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from ..protocol.trust import initial_peer_ids
-from ..swarm.port import BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
+from ..swarm.port import BLOB_LIFETIMES, BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
 from . import fake_transfer
 from .fake_allreduce import Call, Group, matchmake
 from .fake_keys import FakeKeys
@@ -245,7 +245,7 @@ class FakeSwarm:
         while not self.net.clock.wait(self.stopped, self.sc.heartbeat_period):
             self.publish()
             for name, (value, at) in list(self.kept.items()):
-                if self.net.clock.monotonic() - at >= self.sc.peer_ttl / 2:
+                if self.net.clock.monotonic() - at >= self.sc.peer_ttl * BLOB_LIFETIMES[name] / 2:
                     self.keep_blob(name, value)
 
     def shutdown(self) -> None:
