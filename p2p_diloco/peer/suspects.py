@@ -20,8 +20,10 @@ Why this cannot evict an honest peer:
   :func:`rules._alone <p2p_diloco.protocol.rules.decide_sync>` still applies;
 * client-mode peers accept no inbound connection at all: they are never probed.
 A suspect is only as old as the last probe (:data:`INTERVAL`), and a refused peer whose record's heartbeat ``t``
-advances after the refusal is not one: it is publishing, so it lives (a peer restarted with its identity on another
-port, which our probe still dials at the old address until it connects to us again: swarm/probe.py).
+advances after the refusal is not one: it is publishing, so it lives (e.g. a probe that dialled an address the
+peer's record no longer announces, read just before its new record). The abort of an attempt in flight
+(:meth:`Suspects.of` on its members) counts the refusal alone: a member that is in our group was connected to us
+through matchmaking, and the probe reports no peer our p2pd is connected to.
 """
 
 from __future__ import annotations
