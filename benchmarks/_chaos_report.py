@@ -105,8 +105,9 @@ def resent_attempts(evs: dict[str, list[dict]]) -> dict[str, float]:
         that failed before completing, from their events), ``mid_counted`` (attempts failed after the transfer
         began, with their bytes in ``failed``), ``mid_transfer`` (attempts failed after the transfer began, bytes
         unknown), ``before`` (attempts failed before it: matchmaking), ``full`` (the median ``bytes_sent`` of one
-        peer's all-reduce of 2+ peers; 0.0 if none) and ``bound`` (``exact`` + ``failed`` + ``mid_transfer`` x
-        ``full``).
+        peer's all-reduce of 2+ peers; 0.0 if none), ``bound`` (``exact`` + ``failed`` + ``mid_transfer`` x
+        ``full``), ``repaired`` (deaths mid-transfer whose slice the survivors re-reduced: swarm/slice_repair.py)
+        and ``repair_bytes`` (what those re-reductions sent again, all survivors together).
     """
     exact, failed, counted, mid, before = 0, 0, 0, 0, 0
     full = [e["bytes_sent"] for lst in evs.values() for e in lst
@@ -130,8 +131,11 @@ def resent_attempts(evs: dict[str, list[dict]]) -> dict[str, float]:
                 before += not began
         exact += sum(done_in.values())
     med = float(statistics.median(full)) if full else 0.0
+    repairs = [e for lst in evs.values() for e in lst if e["event"] == Event.ALLREDUCE_DONE and e.get("lost")]
     return {"exact": float(exact), "failed": float(failed), "mid_counted": float(counted), "mid_transfer": float(mid),
-            "before": float(before), "full": med, "bound": exact + failed + mid * med}
+            "before": float(before), "full": med, "bound": exact + failed + mid * med,
+            "repaired": float(len({(e["round"], tuple(e["lost"])) for e in repairs})),
+            "repair_bytes": float(sum(e.get("resent_bytes", 0) for e in repairs))}
 
 
 def round_durations(evs: dict[str, list[dict]], chain: dict[int, str] | None = None) -> dict[int, float]:

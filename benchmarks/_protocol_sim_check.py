@@ -254,6 +254,10 @@ class Checker:
             self._attempt(peer, k - 1, digest, now)
         elif kind == "allreduce_done" and event.get("lone"):
             self._solo(peer, k - 1, digest, now)
+        elif kind == "allreduce_done" and event.get("lost") and peer in self.attempts:
+            # died mid-transfer, its slice re-reduced by the survivors (swarm/slice_repair.py): out of the group
+            r, d, must = self.attempts[peer]
+            self.attempts[peer] = (r, d, must - set(event["lost"]))
 
     def _outer_step(self, peer: str, event: dict, now: float, members: tuple[str, ...], prev: str | None) -> None:
         k, cid, digest = event["round"], event["certificate"], event["digest"]

@@ -266,6 +266,8 @@ def report_chaos(bench: ChaosBench, status: str) -> int:
           f"whole all-reduce = {w['full'] / 2**20:.2f} MiB per peer), {w['before']:.0f} in matchmaking; resent per "
           f"death <= {w['bound'] / 2**20 / max(1, len(deaths)):.2f} MiB, a whole all-reduce being "
           f"{w['full'] / 2**20:.2f} MiB per peer (fault-free runs also throw some away)")
+    print(f"  deaths mid-transfer repaired in the same attempt: {w['repaired']:.0f}, re-reducing the dead member's "
+          f"slice sent {w['repair_bytes'] / 2**20:.2f} MiB again in all")
     print(f"  peak memory per peer process tree: {memory(bench)}")
     for x in bench.log:
         print(f"    +{x['t'] - bench.t0:6.1f}s {x['kind']:<7} peer{x['slot']} in {x['phase']}")

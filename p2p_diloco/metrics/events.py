@@ -56,8 +56,11 @@ CATALOGUE: dict[Event, Spec] = {
     Event.ALLREDUCE_START: Spec("an all-reduce attempt begins, with the deadlines in force",
                                 ("expected_group_size", "attempt", "straggler_s", "allreduce_s", "matchmaking_s")),
     Event.ALLREDUCE_RUNNING: Spec("the group is assembled, tensors are flowing", ("attempt",)),
-    Event.ALLREDUCE_DONE: Spec("the average is here (`lone`: a solo step, nobody else was live)",
-                               ("group_size", "bytes_sent", "bytes_received", "seconds"), ("lone",)),
+    Event.ALLREDUCE_DONE: Spec("the average is here (`lone`: a solo step, nobody else was live; `lost`: members "
+                               "that died mid-transfer, their slice re-reduced by the survivors, moving "
+                               "`resent_bytes` more)",
+                               ("group_size", "bytes_sent", "bytes_received", "seconds"),
+                               ("lone", "lost", "resent_bytes")),
     Event.ALLREDUCE_FAILED: Spec("the attempt failed; nothing was applied (`bytes_sent`, `bytes_received`: what it "
                                  "moved before it failed, thrown away)", ("reason", "attempt"),
                                  ("bytes_sent", "bytes_received")),

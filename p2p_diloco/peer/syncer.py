@@ -24,6 +24,7 @@ from .state_sync import StateSync
 from .suspects import Suspects
 
 log = logging.getLogger("p2p_diloco.peer")
+REPAIR_GRACE = 2.0  # seconds a running attempt may go on after a member was found dead (at least)
 
 
 class Syncer:
@@ -139,11 +140,17 @@ class Syncer:
             ctx.emit_in_round(Event.ALLREDUCE_RUNNING, r, attempt=attempt)
 
         look = None if action.give_up_at is None else max(0.5, action.give_up_at - ctx.clock.monotonic())
-        self.died = frozenset()
+        self.died, found = frozenset(), [0.0]
+        # mid-transfer the data plane re-reduces a dead member's slice (swarm/slice_repair.py), 1/N of the transfer:
+        # a suspect aborts a running attempt only once that had time to end
+        grace = max(REPAIR_GRACE, self.deadlines.get("allreduce") / max(action.group_size, 1))
 
         def should_stop() -> bool:  # polled every 0.1 s; probes at most every suspects.INTERVAL
-            self.died = self.died or self.suspects.of(action.members or ())
-            return ctx.stop.is_set() or bool(self.died)
+            if not self.died:
+                self.died, found[0] = self.suspects.of(action.members or ()), ctx.clock.monotonic()
+            if ctx.stop.is_set() or not self.died:
+                return ctx.stop.is_set()
+            return not running or ctx.clock.monotonic() - found[0] > grace
 
         request = AllReduceRequest(
             round=r, tensors=buffer, weight=tokens, group_size=action.group_size,
@@ -164,8 +171,10 @@ class Syncer:
             return None
         got_result_at = ctx.clock.monotonic()
         self._done(r, result, action.all_in)
-        problem = commit.group_problem(r, ctx.state.digest, ctx.swarm.peer_id or "", action.members,
-                                       action.group_size, result.gathered)
+        # the members that died mid-transfer (their slices re-reduced by the survivors) are out of the group
+        expected = None if action.members is None else [m for m in action.members if m not in result.lost]
+        problem = commit.group_problem(r, ctx.state.digest, ctx.swarm.peer_id or "", expected,
+                                       action.group_size - len(result.lost), result.gathered)
         problem = problem or self.chain.extension_problem(list(result.gathered))
         if problem:  # we do not sign: no certificate of this group can exist, and nobody applies its step
             log.error("round %d: refusing the group: %s", r + 1, problem)
@@ -191,5 +200,9 @@ class Syncer:
         for pid, reason in sorted(result.excluded.items()):  # our reducers left a bad contribution out
             log.warning("round %d: left out the contribution of peer %s: %s", r + 1, pid, reason)
             ctx.emit_in_round(Event.CONTRIBUTION_EXCLUDED, r, peer=pid, reason=reason)
+        repaired = {"lost": list(result.lost), "resent_bytes": result.resent} if result.lost else {}
+        if result.lost:
+            log.warning("round %d: %s died mid-transfer; its slice was re-reduced among the %d survivors (%d bytes "
+                        "resent)", r + 1, ", ".join(result.lost), result.group_size, result.resent)
         ctx.emit_in_round(Event.ALLREDUCE_DONE, r, group_size=result.group_size, bytes_sent=result.bytes_sent,
-                 bytes_received=result.bytes_received, seconds=round(result.seconds, 3))
+                          bytes_received=result.bytes_received, seconds=round(result.seconds, 3), **repaired)

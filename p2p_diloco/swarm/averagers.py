@@ -295,6 +295,9 @@ def _result(results: list, shards: Sequence[int] | None, seconds: float, assembl
     sizes = {r["group_size"] for r in results}
     if len(sizes) != 1:  # each averager was told the size; a mismatch would mean a partial round
         raise RoundFailed(f"shard groups of different sizes {sorted(sizes)}")
+    lost = tuple(pid for r in results for pid in r.get("lost", ()))
+    if lost and len(results) > 1:  # each shard's group repaired on its own: they may no longer add up to one
+        raise RoundFailed(f"members {sorted(set(lost))} died mid-all-reduce of a sharded peer's groups")
     gathered = {pid.to_base58(): data for pid, data in results[0]["gathered"].items()}
     excluded = {pid: reason for r in results for pid, reason in r.get("excluded", {}).items()}
     members = None if shards is None else {
@@ -303,7 +306,7 @@ def _result(results: list, shards: Sequence[int] | None, seconds: float, assembl
         for j, r in zip(shards, results, strict=True)}
     return AllReduceResult(results[0]["group_size"], sum(r.get("bytes_sent", 0) for r in results),
                            sum(r.get("bytes_received", 0) for r in results), seconds, gathered, assembled, excluded,
-                           members)
+                           members, lost, sum(r.get("resent", 0) for r in results))
 
 
 def _wait_step(control, deadline: float, should_stop: Callable[[], bool], on_running: Callable[[], None]):

@@ -141,7 +141,9 @@ class ExactAverager(PushMixin, DecentralizedAverager):
         if strangers:  # cannot happen between allowed peers (both ends refuse); a last check before any byte moves
             raise AllreduceException(f"group contains peers outside swarm.allowed_peers: {strangers}")
         gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
-        return {"gathered": gathered, "group_size": group_info.group_size, **self._last_stats}
+        lost = self._last_stats.get("lost", ())  # died mid-all-reduce, their slices re-reduced (slice_repair.py)
+        gathered = {pid: data for pid, data in gathered.items() if pid.to_base58() not in lost}
+        return {"gathered": gathered, "group_size": group_info.group_size - len(lost), **self._last_stats}
 
     def _data_peers(self, group_info: GroupInfo) -> list[DataPeer] | None:
         """Every member's data-plane entry, checked against the peer id it stands for (data_auth.py), or None if
@@ -184,7 +186,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
         bounds[-1] = flat.numel()
         runner = FastAllReduce(group_info.group_id, group_info.peer_ids.index(self.peer_id), peers, flat,
                                bounds, weight, self.codec, chunk_timeout=self.next_chunk_timeout or 10.0,
-                               key=self.data_key, policy=self.policy, workspace=self._workspace)
+                               key=self.data_key, policy=self.policy, workspace=self._workspace, source=tensors)
         runner.part_delay = self.part_delay
         self._attempt_runners += (runner,)
         self._data_server.register(runner)
@@ -200,8 +202,11 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             t.copy_(out[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
         excluded = {group_info.peer_ids[i].to_base58(): reason for i, reason in runner.excluded.items()}
+        repair = runner.repair
         self._last_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received,
-                            "transport": "tcp", "excluded": excluded}
+                            "transport": "tcp", "excluded": excluded,
+                            "lost": tuple(group_info.peer_ids[i].to_base58() for i in runner.dead),
+                            "resent": 0 if repair is None else repair.bytes_sent}
 
     async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
                                       group_id=None, **kwargs):

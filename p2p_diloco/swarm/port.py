@@ -119,6 +119,10 @@ class AllReduceResult:
     # With shards: {shard j: {member process's peer id: the "peer" it gathered, or None}} for this process's shards
     # (sharded_ranks.py checks that every shard was averaged with the same peers); None without shards.
     shard_members: dict[int, dict[str, Any]] | None = None
+    # Members that died mid-all-reduce, their slices re-reduced among the survivors (swarm/slice_repair.py): not in
+    # ``gathered`` nor in ``group_size``; ``resent``: the bytes we sent again for the re-reduction.
+    lost: tuple[str, ...] = ()
+    resent: int = 0
 
 
 class SwarmPort(Protocol):

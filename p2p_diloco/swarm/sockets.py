@@ -12,6 +12,11 @@ import socket
 import torch
 
 
+
+class FastPathError(RuntimeError):
+    """The direct-TCP all-reduce (fastpath.py) failed; nothing may be applied."""
+
+
 def listen_socket(host: str, port: int = 0) -> socket.socket:
     """A bound, listening TCP socket (created in the host process so the port is known before the fork)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -44,6 +44,8 @@ class Group:
     begin_time: float = 0.0
     late: set[str] = field(default_factory=set)  # members that fail although the others got the average
     sent: dict[str, torch.Tensor] = field(default_factory=dict)  # what each member's buffer held (flat), for tests
+    lost: list[str] = field(default_factory=list)  # a member killed mid-transfer, its slice re-reduced
+    repaired_at: float = 0.0  # the re-reduction of its slice ends then
 
     @property
     def members(self) -> list[str]:
@@ -54,6 +56,21 @@ class Group:
             self.failure = reason
             self.began.set()
             self.ended.set()
+
+    def lose(self, peer_id: str) -> bool:
+        """A member was killed mid-transfer: as the TCP data plane does (swarm/slice_repair.py), the survivors of a
+        group of 3 or more re-reduce its slice, 1/N of the transfer more, and the group goes on without it (the fake
+        averages every slice over the survivors; the real one keeps its part in the slices reduced before). False:
+        the group fails instead (before the transfer, a second death, a group of two)."""
+        if not self.began.is_set() or self.ended.is_set() or self.lost or len(self.calls) < 3:
+            return False
+        n = len(self.calls)
+        self.calls = [c for c in self.calls if c.swarm.peer_id != peer_id]
+        self.lost = [peer_id]
+        own = self.begin_time + self.net.transfer_seconds + max(self.net.slow.get(m, 0.0) for m in self.members)
+        self.repaired_at = max(own, self.net.clock.monotonic() + self.net.transfer_seconds / n)
+        self.net.sim.call_at(self.repaired_at, self.finish)
+        return True
 
     def begin(self) -> None:
         if self.ended.is_set():
@@ -79,6 +96,9 @@ class Group:
         """The transfer is over: every member gets the same average (or the group fails)."""
         if self.ended.is_set() or any(self.net.sim.frozen(m) for m in self.members):
             return  # (a member frozen mid-transfer: the chunk timeout fails the group)
+        if self.net.clock.monotonic() < self.repaired_at:
+            self.net.sim.call_at(self.repaired_at, self.finish)
+            return
         dropped = [m for m in self.members if self.net.drops.get(m, 0) > 0]
         if dropped:
             self.net.drops[dropped[0]] -= 1

@@ -112,7 +112,8 @@ class FakeNetwork:
         self.sim.kill(peer_id)
         self.looking = [c for c in self.looking if c.swarm is not swarm]
         for group in self._groups_of(peer_id):
-            group.fail(f"stream with member {peer_id} reset")
+            if not group.lose(peer_id):
+                group.fail(f"stream with member {peer_id} reset")
 
     def freeze(self, peer_id: str) -> None:
         """SIGSTOP: nothing of the peer runs (no heartbeats, no parts) until :meth:`thaw`."""
@@ -361,7 +362,8 @@ class FakeSwarm:
         gathered = {c.swarm.name: dict(c.request.gather) for c in group.calls}
         now = self.net.clock.monotonic()
         return AllReduceResult(n, moved, moved, now - call.started, gathered, group.begin_time - call.started,
-                               dict(group.excluded), self._shard_members(group))
+                               dict(group.excluded), self._shard_members(group), tuple(group.lost),
+                               2 * payload // (n + 1) if group.lost else 0)
 
     def _shard_members(self, group: Group) -> dict[int, dict[str, Any]] | None:
         """Each of our shards' group: ``{member process: the peer it gathered}`` (``mix_shard`` applied)."""

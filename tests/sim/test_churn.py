@@ -103,7 +103,8 @@ def test_a_killed_round_mate_costs_the_survivors_seconds_not_a_record_lifetime(m
     flight (all-reduce), or in its inner steps while the others wait for it (training). Its record lives on for
     swarm.peer_ttl (6 s), but every survivor's own probe finds it refused (peer/suspects.py): the attempt that
     expects it is aborted at once and the survivors commit round 2 among themselves within 3 s of the kill (the
-    issue's goal on loopback; it took a record lifetime and a failed matchmaking before)."""
+    issue's goal on loopback; it took a record lifetime and a failed matchmaking before). Mid-transfer, the attempt
+    is not aborted: the survivors re-reduce its slice (swarm/slice_repair.py) and commit that attempt."""
     with SimSwarm(["run.max_rounds=3", "swarm.min_peers=4"]) as swarm:
         *rest, victim = [swarm.add(name=n) for n in "abcd"]
         if moment == "training":
@@ -130,6 +131,9 @@ def test_a_killed_round_mate_costs_the_survivors_seconds_not_a_record_lifetime(m
             took = step[0]["t"] - swarm.sim.epoch - hit["t"]
             assert 0 < took <= 3.0, f"{p.name}: kill -> commit {took:.2f} s"
             assert p.of(Event.ALLREDUCE_DONE, round=2)[-1]["group_size"] == 3
+            if moment == "all-reduce":  # the survivors re-reduced its slice: the attempt went on without it
+                assert p.of(Event.ALLREDUCE_DONE, round=2)[-1]["lost"] == [victim.name]
+                assert not p.of(Event.ALLREDUCE_FAILED, round=2), p.of(Event.ALLREDUCE_FAILED, round=2)
 
 
 def test_a_newcomer_whose_initial_peer_restarted_with_a_new_identity_waits_for_a_certificate_it_can_verify(tmp_path):

@@ -47,9 +47,9 @@ def die_mid_allreduce(after_parts: int) -> None:
 
     original_serve = FastAllReduce.serve
 
-    async def dying_serve(self, conn, sender, weight):  # data plane: die once a sender's part arrives
+    async def dying_serve(self, conn, sender):  # data plane: die once a sender's part arrives
         os.killpg(os.getpgrp(), signal.SIGKILL)
-        await original_serve(self, conn, sender, weight)
+        await original_serve(self, conn, sender)
 
     FastAllReduce.serve = dying_serve
 
@@ -155,11 +155,11 @@ def connect_after(marker: str) -> None:
 
     original = fastpath.FastAllReduce._send_to
 
-    async def after(self, j, connect_timeout):
+    async def after(self, j):
         deadline = time.monotonic() + 20
         while not Path(marker).exists() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        return await original(self, j, connect_timeout)
+        return await original(self, j)
 
     fastpath.FastAllReduce._send_to = after
 

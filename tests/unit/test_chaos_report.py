@@ -101,6 +101,17 @@ def test_failed_attempts_with_byte_counts_are_counted_exactly():
     w = rep.resent_attempts(evs)
     assert w["exact"] == 0 and w["failed"] == 400 and w["mid_counted"] == 1
     assert w["mid_transfer"] == 1 and w["before"] == 1 and w["bound"] == 400 + 1000
+    assert w["repaired"] == 0 and w["repair_bytes"] == 0
+
+
+def test_repaired_deaths_and_their_bytes():
+    """Issue 20: a death mid-transfer that the survivors repaired shows as one ``allreduce_done`` per survivor naming
+    it in ``lost``: one repair, its ``resent_bytes`` summed over the survivors."""
+    evs = {"a": sync(10, 1), "b": sync(10, 1)}
+    for x, sent in (("a", 300), ("b", 100)):
+        next(e for e in evs[x] if e["event"] == "allreduce_done").update(lost=["c"], resent_bytes=sent)
+    w = rep.resent_attempts(evs)
+    assert w["repaired"] == 1 and w["repair_bytes"] == 400 and w["exact"] == 0
 
 
 def test_sync_breakdown_phases_and_missing_running():
