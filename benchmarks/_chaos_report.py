@@ -89,6 +89,28 @@ def death_to_commit(deaths: Iterable[tuple[float, str | None]], evs: dict[str, l
     return out
 
 
+def death_cost(deaths: Iterable[tuple[float, str | None]], evs: dict[str, list[dict]],
+               chain: dict[int, str] | None = None) -> list[float | None]:
+    """For each death ``(unix time, victim's peer id)``: seconds from the later of the death and the moment the
+    survivors were ready to sync (the last ``inner_done``, of the round of the next commit, among the peers that
+    committed it) to that commit by another peer. :func:`death_to_commit` includes the rest of the round the death
+    fell in, which the death did not cause; this counts only the sync that followed it, so it bounds what the death
+    cost (a sync without a death also takes its matchmaking, transfer and commit). None: no commit came."""
+    commits = _commits(evs, chain)
+    out: list[float | None] = []
+    for t, victim in deaths:
+        later = [(tc, r) for tc, pid, r in commits if tc > t and pid != victim]
+        if not later:
+            out.append(None)
+            continue
+        tc, r = later[0]
+        committed = {pid for _, pid, rr in commits if rr == r and pid != victim}
+        ready = [e["t"] for pid in committed for e in evs[pid] if e["event"] == Event.INNER_DONE
+                 and e["round"] == r and e["t"] <= tc]
+        out.append(tc - max([t, *ready]))
+    return out
+
+
 def resent_attempts(evs: dict[str, list[dict]]) -> dict[str, float]:
     """What the all-reduce attempts that did not become a commit cost on the wire (and then had to be sent again).
 

@@ -259,6 +259,9 @@ def report_chaos(bench: ChaosBench, status: str) -> int:
           f"of the run, a lower bound")
     print(f"  death -> next commit, all deaths: {rep.mean_max(d2c)}; round time (round 1 excluded): "
           f"{rep.mean_max(list(durations.values()))}")
+    cost = [c for c in rep.death_cost([(x["t"], x["peer_id"]) for x in deaths], evs, chain) if c is not None]
+    print(f"  death -> next commit, from when the survivors were ready to sync (the sync that followed the death, "
+          f"a bound on its cost; the line above adds the rest of the round): {rep.mean_max(cost)}")
     w = rep.resent_attempts(evs)
     print(f"  all-reduces thrown away: {w['exact'] / 2**20:.1f} MiB sent in completed ones then refused or not "
           f"certified; {w['failed'] / 2**20:.1f} MiB sent by {w['mid_counted']:.0f} attempts that failed mid-transfer "

@@ -53,6 +53,14 @@ def test_death_to_commit_takes_the_next_commit_of_another_peer():
     assert got[0] == pytest.approx(11.0) and got[1] == pytest.approx(6.0) and got[2] is None
 
 
+def test_death_cost_counts_from_when_the_survivors_were_ready():
+    evs = {"a": sync(10, 1) + sync(30, 2), "b": sync(10, 1) + sync(32, 2), "victim": sync(10, 1)}
+    # round 2: a ready at 30, commits at 31.0; b ready at 32 (after a's commit: not counted), commits at 33.0
+    got = rep.death_cost([(20.0, "victim"), (30.5, "victim"), (40.0, "a")], evs)
+    assert got[0] == pytest.approx(31.0 - 30.0)  # a death in training: from the survivors' readiness
+    assert got[1] == pytest.approx(31.0 - 30.5) and got[2] is None  # in their sync: from the death
+
+
 def test_a_newcomer_alone_is_a_side_chain_not_the_swarms_rounds():
     # a and b commit rounds 1-2 together; n, a newcomer from the same theta(0), commits rounds 1-3 alone.
     lone = [dict(e, digest=f"n{e['round']}") if e["event"] == "outer_step" else e for r in (1, 2, 3)
