@@ -69,9 +69,8 @@ def fix_command_pipe(dht: hivemind.DHT) -> None:
     ``BlockingIOError`` mid-message, the command is lost (its caller times out) and the stream is out of step; the
     next read can unpickle garbage and end the DHT process (``EOFError``/``UnpicklingError`` are not caught there).
     Measured here: a single 40-65 KB ``store`` failed or killed the DHT in about half the tries; with the pipe
-    blocking, 60 stores of 40 KB to 1 MB all succeeded. (Several *processes* writing at once, e.g. ours and an
-    averager's, can still interleave messages under heavy load, even small ones: that is hivemind's, see the field
-    notes.)"""
+    blocking, 60 stores of 40 KB to 1 MB all succeeded. (Several *processes* writing at once, ours and the
+    averager's, interleaved messages too: starting.serialize_command_pipe.)"""
     if not dht.run_coroutine(_blocking_command_pipe, return_future=True).result(timeout=DHT_CALL_TIMEOUT):
         raise SwarmError("could not make the DHT's command pipe blocking")
 

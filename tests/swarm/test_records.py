@@ -196,3 +196,39 @@ def test_oversized_records_are_refused_and_the_key_stays_readable(dhts):
         local = dht.run_coroutine(_local_items)
         assert local[honest.subkey()][1] == now + 30, local
         assert not dht.run_coroutine(partial(_local_items, key="run.config"))
+
+
+def _store_many(dht, tag: int, n: int, size: int, out) -> None:
+    """In a forked process, as the averager process is: ``n`` stores of ``size`` random bytes through ``dht``."""
+    import os
+
+    ok = 0
+    for i in range(n):
+        ok += bool(dht.store(f"pipe{tag}", subkey=i % 4, value=os.urandom(size), expiration_time=get_dht_time() + 30))
+    out.put(ok)
+
+
+def test_processes_writing_the_dht_command_pipe_at_once_do_not_kill_it():
+    """Issue 20: our process and the forked averager process write one DHT's command pipe; large commands written at
+    once interleaved and the DHT process died unpickling garbage (seen in the 16-peer chaos runs; without
+    swarm/starting.py's serialize_command_pipe this test's DHT dies within seconds). Three forked writers of 30 KB
+    values: every store succeeds and the DHT lives on."""
+    import multiprocessing
+
+    from p2p_diloco.swarm.starting import start_dht
+
+    dht = start_dht()
+    try:
+        fix_command_pipe(dht)
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        writers = [ctx.Process(target=_store_many, args=(dht, t, 60, 30_000, out)) for t in range(3)]
+        for w in writers:
+            w.start()
+        stored = [out.get(timeout=60) for _ in writers]
+        for w in writers:
+            w.join(10)
+        assert stored == [60, 60, 60] and dht.is_alive()
+        assert dht.get("pipe0", latest=True) is not None
+    finally:
+        dht.shutdown()
