@@ -290,7 +290,7 @@ class FastAllReduce:
         self.repair = SliceRepair(self, j)
         self._repairing = asyncio.ensure_future(self.repair.take_part())
         self._check_served()
-        asyncio.ensure_future(self._reduce_when_complete())
+        self._serving.add(asyncio.ensure_future(self._reduce_when_complete()))  # (cancelled with our run)
         return True
 
     async def exchange(self, j: int, slice_: int, payload: memoryview, into: torch.Tensor, also=None) -> None:
@@ -334,7 +334,8 @@ class FastAllReduce:
         except ConnectionError as e:
             # The reducer hung up or is gone: it died (or aborted its slice, and then fails too).
             if not self.member_died(j, str(e) or type(e).__name__):
-                raise FastPathError(f"reducer {j} dropped our connection: {type(e).__name__}") from None
+                # (a refused dial keeps its "cannot connect to member" text: averagers.py then falls back to libp2p)
+                raise FastPathError(f"reducer {j} dropped our connection: {type(e).__name__}: {e}") from None
             return  # its slice comes from the repair
         self._decode_into(data, j)
 

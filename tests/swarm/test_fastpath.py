@@ -550,3 +550,18 @@ def test_a_second_death_fails_every_survivor():
 
     results = asyncio.run(main())
     assert all(isinstance(r, FastPathError) for r in results), results
+
+
+def test_a_refused_dial_that_cannot_be_repaired_still_says_cannot_connect():
+    """A group of two cannot re-reduce a slice: a reducer whose data port refuses fails the all-reduce with "cannot
+    connect to member", the text on which averagers.py moves the round to libp2p (a firewall that rejects)."""
+    async def main():
+        servers, runners = await _members(2, get_codec("none"), _vectors(2), [1.0, 1.0], os.urandom(20), source=True)
+        servers[1].unregister(runners[1])
+        await servers[1].close()
+        result = await asyncio.wait_for(asyncio.gather(runners[0].run(1.0, 5.0), return_exceptions=True), 20)
+        await _close(servers[:1])
+        return result[0]
+
+    error = asyncio.run(main())
+    assert isinstance(error, FastPathError) and "cannot connect to member 1" in str(error), error
