@@ -56,7 +56,8 @@ class Syncer:
             me = rules.SyncState(r, ctx.state.digest, wait.deadline, alone_since=alone_since, suspects=gone,
                                  confirm_for=sc.peer_ttl + sc.heartbeat_period, overlap=ctx.cfg.outer.overlap,
                                  cooling=self.liveness.cooling(now), round_deadline=wait.started + sc.round_timeout,
-                                 me=ctx.swarm.peer_id or "", head_members=self.chain.head_members())
+                                 me=ctx.swarm.peer_id or "", head_members=self.chain.head_members(),
+                                 client=sc.client_mode)
             action = rules.decide_sync(me, view, now)
             if not isinstance(action, Wait):  # a Wait waits for round-mates still training: none is left out
                 self._watch_stragglers(wait, consensus.training(view, r), r, now)
@@ -155,9 +156,9 @@ class Syncer:
         request = AllReduceRequest(
             round=r, tensors=buffer, weight=tokens, group_size=action.group_size,
             gather={"round": r, "digest": ctx.state.digest, "tokens": tokens, "head": ctx.state.chain_head},
-            should_stop=should_stop,
-            on_running=on_running, matchmaking_time=self.deadlines.get("matchmaking"),
-            allreduce_timeout=self.deadlines.get("allreduce"), matchmaking_timeout=look)
+            should_stop=should_stop, on_running=on_running, matchmaking_time=self.deadlines.get("matchmaking"),
+            allreduce_timeout=self.deadlines.get("allreduce"), matchmaking_timeout=look, members=action.members or (),
+            leader=action.leader)
         try:
             result = ctx.state.average(ctx.swarm, request)
         except RoundFailed as e:

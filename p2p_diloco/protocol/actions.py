@@ -80,13 +80,15 @@ class AllReduce(Action):
     too short. ``members``: exactly these round-mates (and us) must be the group, or we do not sign its round
     (:func:`~p2p_diloco.protocol.commit.group_problem`); None: any group of ``group_size`` will do.
     ``give_up_at``: ``Clock.monotonic()`` at which matchmaking stops waiting for round-mates still training (the
-    straggler deadline), or None.
+    straggler deadline), or None. ``leader``: the member (maybe us) every member asks to lead matchmaking
+    (:func:`~p2p_diloco.protocol.consensus.matchmaking_leader`), or None.
     """
 
     group_size: int
     all_in: bool
     give_up_at: float | None = None
     members: tuple[str, ...] | None = None  # the round-mates counted (us excluded): a member signs for no other group
+    leader: str | None = None
 
     @property
     def charged(self) -> tuple[str, ...]:

@@ -140,3 +140,16 @@ def seats(round_: int, candidates: Iterable[str], previous: Iterable[str] | None
     half = (cap + 1) // 2
     first = kept[:max(half, cap - len(new))]
     return sorted(first + new[:cap - len(first)])
+
+
+def matchmaking_leader(round_: int, members: Iterable[str], view: View, me: str = "",
+                       me_client: bool = False) -> str | None:
+    """The member every member of round ``round_``'s group asks to lead its matchmaking (swarm/led_matchmaking.py):
+    the first, in an order drawn from the round (a hash of the round and the peer id, as :func:`seats`), of the
+    ``members`` (us included) that accept connections (not client mode, by their records; ``me_client`` for us).
+    Every member with the same members computes the same leader, and the lead moves from round to round. None if
+    no member can lead (then hivemind's own election runs)."""
+    def client(pid: str) -> bool:
+        return me_client if pid == me else bool(view[pid].client) if pid in view else True
+    able = [pid for pid in set(members) if pid and not client(pid)]
+    return min(able, key=lambda pid: hashlib.sha256(f"{round_}:{pid}".encode()).digest(), default=None)

@@ -126,6 +126,7 @@ class SyncState:
             dead, so their records count as expired.
         head_members: the members of the certificate of theta(``round``) (None: we hold none); a group that keeps
             fewer than half of them cannot extend our chain (the hand-off rule).
+        client: we run in client mode (accept no connection): we never lead matchmaking.
     """
 
     round: int
@@ -139,6 +140,7 @@ class SyncState:
     me: str = ""  # our peer id
     suspects: frozenset[str] = field(default_factory=frozenset)  # round-mates our own probe found dead
     head_members: tuple[str, ...] | None = None  # the group that certified theta(round) (None: no certificate)
+    client: bool = False
 
 
 def decide_sync(s: SyncState, view: View, now: float
@@ -160,7 +162,7 @@ def decide_sync(s: SyncState, view: View, now: float
     * a group that would not keep half of the group that certified our state → :class:`Wait` for the members
       of that group live in our round, :class:`GiveUp` at ``s.round_deadline`` (never a fork);
     * nobody else is in our round → :class:`Solo`, once confirmed over a record lifetime (:func:`_alone`);
-    * otherwise → :class:`AllReduce` with exactly that group.
+    * otherwise → :class:`AllReduce` with exactly that group, and the member that leads its matchmaking.
     """
     r = s.round
     view = {pid: p for pid, p in view.items() if pid not in s.suspects}
@@ -199,6 +201,7 @@ def decide_sync(s: SyncState, view: View, now: float
         return _alone(s, now)
     give_up_at = s.straggler_deadline if late and ready != (Phase.SYNC,) else None
     return AllReduce(group_size=len(mates) + 1, all_in=not late, give_up_at=give_up_at, members=tuple(mates),
+                     leader=consensus.matchmaking_leader(r, [s.me, *mates], view, s.me, s.client),
                      reason=f"{len(mates)} round-mate(s) " + ("ready" if not late else f"({len(late)} training)"))
 
 

@@ -134,7 +134,7 @@ class Averagers:
     def all_reduce(self, round_: int, groups: Sequence[Sequence[torch.Tensor]], weight: float, group_size: int,
                    gather: dict[str, Any], should_stop: Callable[[], bool], on_running: Callable[[], None],
                    matchmaking_time: float, allreduce_timeout: float, look: float,
-                   shards: Sequence[int] | None = None) -> AllReduceResult:
+                   shards: Sequence[int] | None = None, leader: str | None = None) -> AllReduceResult:
         """Average each group of tensors with its averager's group of exactly ``group_size`` peers, all at once.
 
         ``shards`` (sharded mode): the logical shard of each averager, in order; the result's ``shard_members`` then
@@ -144,12 +144,14 @@ class Averagers:
         Raises :class:`RoundFailed` if any step fails (the others are cancelled and waited for), with the bytes the
         attempt moved until then (its ``bytes_sent`` / ``bytes_received``: :meth:`_attempt_bytes`). On success the
         averages are in the averagers' buffers (:meth:`averaged`); the input tensors are never touched here.
+        ``leader``: the member every member asks to lead matchmaking (led_matchmaking.py); whole-model groups only
+        (a shard's group is made of other processes).
         """
         controls = []
         t0 = time.monotonic()
         for averager, tensors, advert in zip(self.list, groups, self.adverts, strict=True):
             averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
-                                      allreduce_timeout=allreduce_timeout)
+                                      allreduce_timeout=allreduce_timeout, leader=None if shards else leader)
             with averager.get_tensors() as buffers:
                 for buf, t in zip(buffers, tensors, strict=True):
                     buf.copy_(t)

@@ -40,6 +40,7 @@ from ..outer.aggregation import Policy
 from .data_auth import DataAuthError, DataPeer, verify_advertisement
 from .data_server import DataServer
 from .fastpath import FastAllReduce
+from .led_matchmaking import designate
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
 from .state_push import PushMixin, read_state
 from .workspace import Workspace
@@ -257,13 +258,15 @@ class ExactAverager(PushMixin, DecentralizedAverager):
                             "excluded": runner.excluded}
 
     async def _set_round_params(self, group_bits: str, group_size: int, future, matchmaking_time=None,
-                                allreduce_timeout=None):
+                                allreduce_timeout=None, leader=None):
         """Executed in the averager process: key this attempt's matchmaking (:func:`attempt_key_bits`), require
         exactly ``group_size``, take this attempt's deadlines (adaptive deadlines change them between attempts),
-        and start counting its bytes from 0."""
+        its matchmaking leader (led_matchmaking.py; None: hivemind's election), and start counting its bytes
+        from 0."""
         try:
             mm = self._matchmaking
             self._guard_matchmaking(mm)
+            designate(mm, leader)
             mm.group_key_manager.group_bits = attempt_key_bits(group_bits, group_size)
             mm.group_key_manager.update_key_on_group_assembled = _keep_key
             self._attempt_runners = ()
@@ -303,13 +306,13 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             yield message
 
     def set_round_params(self, group_bits: str, group_size: int, timeout: float, matchmaking_time: float | None = None,
-                         allreduce_timeout: float | None = None) -> None:
+                         allreduce_timeout: float | None = None, leader: str | None = None) -> None:
         if matchmaking_time is not None:  # the host side schedules the step with it (DecentralizedAverager.step)
             self.matchmaking_kwargs["min_matchmaking_time"] = matchmaking_time
         future = MPFuture()
         self._outer_pipe.send(("_set_round_params", [], dict(group_bits=group_bits, group_size=group_size,
                                                               future=future, matchmaking_time=matchmaking_time,
-                                                              allreduce_timeout=allreduce_timeout)))
+                                                              allreduce_timeout=allreduce_timeout, leader=leader)))
         future.result(timeout=timeout)
 
     async def _attempt_bytes(self, future) -> None:

@@ -92,6 +92,10 @@ class AllReduceRequest:
         matchmaking_timeout: stop looking for a group after this many seconds (the straggler deadline).
         commit: False leaves ``tensors`` untouched and the result in the swarm's buffers (:meth:`SwarmPort.averaged`):
             a retry of the round then sends the same pseudo-gradient again.
+        members: the peer ids the round rules expect in the group (empty: not known); the swarm may use them to
+            reach those peers before matchmaking (swarm.py: introductions).
+        leader: the member (its peer id, maybe ours) that every member asks to lead matchmaking (None: any);
+            :func:`p2p_diloco.protocol.consensus.matchmaking_leader`.
     """
 
     round: int
@@ -105,6 +109,8 @@ class AllReduceRequest:
     allreduce_timeout: float | None = None
     matchmaking_timeout: float | None = None
     commit: bool = True
+    members: Sequence[str] = ()
+    leader: str | None = None
 
 
 @dataclass

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from typing import Any, Callable, Collection, Iterator, Sequence
@@ -43,7 +42,7 @@ from .allowlist import resolve_allowed_peers
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from .averagers import Averagers
 from .state_push import Pusher
-from .starting import start_dht, start_failure
+from .starting import fix_command_pipe, start_dht, start_failure
 from .port import BLOB_LIFETIMES, BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
 from .probe import MAX_ADDRS, Prober
 from .identity import Identity, OwnedRecordsValidator, RSAKeyBook, records_by_owner
@@ -53,26 +52,7 @@ from ..runtime.processes import descendants, keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
 DHT_CALL_TIMEOUT = 15.0
-
-
-async def _blocking_command_pipe(dht: hivemind.DHT, node) -> bool:
-    """Run inside the DHT process: make its end of the command pipe blocking again (see fix_command_pipe)."""
-    os.set_blocking(dht._inner_pipe.fileno(), True)
-    return os.get_blocking(dht._inner_pipe.fileno())
-
-
-def fix_command_pipe(dht: hivemind.DHT) -> None:
-    """Let ``dht`` take commands larger than 16 KiB (a ``put_blob`` of a certificate) without dying.
-
-    hivemind's DHT process reads its command pipe after uvloop's ``add_reader`` made it non-blocking, while
-    ``multiprocessing`` writes a message over 16 KiB as two writes (header, then payload): the reader gets
-    ``BlockingIOError`` mid-message, the command is lost (its caller times out) and the stream is out of step; the
-    next read can unpickle garbage and end the DHT process (``EOFError``/``UnpicklingError`` are not caught there).
-    Measured here: a single 40-65 KB ``store`` failed or killed the DHT in about half the tries; with the pipe
-    blocking, 60 stores of 40 KB to 1 MB all succeeded. (Several *processes* writing at once, ours and the
-    averager's, interleaved messages too: starting.serialize_command_pipe.)"""
-    if not dht.run_coroutine(_blocking_command_pipe, return_future=True).result(timeout=DHT_CALL_TIMEOUT):
-        raise SwarmError("could not make the DHT's command pipe blocking")
+INTRODUCE_TIMEOUT = 1.0  # seconds matchmaking waits for our p2pd to connect to round-mates it is not connected to
 
 
 def dht_rpc_timeout(peer_ttl: float) -> float:
@@ -173,7 +153,7 @@ class Swarm:
             self.identity.close()  # p2pd has read it
         self.peer_id = self.dht.peer_id.to_base58()
         try:
-            fix_command_pipe(self.dht)
+            fix_command_pipe(self.dht, DHT_CALL_TIMEOUT)
             if self.peer_id != self.identity.peer_id:  # our records are signed with the identity p2pd must use
                 raise SwarmError(f"p2pd runs as {self.peer_id}, not as our identity {self.identity.peer_id}")
             if not follower:
@@ -362,15 +342,26 @@ class Swarm:
         # hivemind needs the step's timeout to exceed the matchmaking window (it schedules the start after it)
         look = max(min(2 * matchmaking_time, request.matchmaking_timeout or float("inf")), matchmaking_time + 0.5)
         groups = self._split(request.tensors)
+        self._introduce(request.members)
         result = self.averagers.all_reduce(request.round, groups, request.weight, request.group_size,
                                            request.gather, request.should_stop, request.on_running,
-                                           matchmaking_time, allreduce_timeout, look, shards=self.shards)
+                                           matchmaking_time, allreduce_timeout, look, shards=self.shards,
+                                           leader=request.leader)
         if request.commit:
             with self.averagers.averaged() as averages:
                 for mine, average in zip(groups, averages, strict=True):
                     for t, avg in zip(mine, average, strict=True):
                         t.copy_(avg)
         return result
+
+    def _introduce(self, members: Collection[str]) -> None:
+        """Connect our p2pd to the expected round-mates it is not connected to, at the addresses of their signed
+        records, so that matchmaking can reach them (probe.py: introductions); at most INTRODUCE_TIMEOUT seconds.
+        A client-mode peer cannot be dialled: it dials us."""
+        records = {pid: (self._seen.get(pid) or ({},))[0] for pid in members if pid != self.peer_id}
+        announced = {pid: r.get("maddrs") or () for pid, r in records.items() if r.get("client") is not True}
+        if announced and self._prober is not None:
+            self._prober.introduce(announced, INTRODUCE_TIMEOUT)
 
     @contextlib.contextmanager
     def averaged(self) -> Iterator[list[torch.Tensor]]:

@@ -45,6 +45,18 @@ def _wait(predicate, timeout: float, what: str):
     raise AssertionError(f"{what}: not within {timeout}s")
 
 
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Let the probe peers end (their stdin closes), killing those that do not within 15 s."""
+    for p in procs:
+        p.stdin.close()
+    for p in procs:
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.stdout.close()
+
+
 def _running(pid: int) -> bool:
     """A live process of the peer's (torch_shm_manager is left to clean shared memory up once it is alone)."""
     try:
@@ -92,12 +104,44 @@ def test_probe_reports_a_killed_peer_at_once_and_never_a_frozen_one(reap):
                 proc.send_signal(signal.SIGCONT)
             except psutil.NoSuchProcess:
                 pass
-        for p in procs:
-            p.stdin.close()
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.stdout.close()
+        _stop(procs)
+        a.shutdown()
+
+
+def _p2pd_connect(swarm: Swarm, peer_id: str, maddrs: list) -> None:
+    """Ask our p2pd to connect to ``peer_id`` (with no address: by its own routing)."""
+    from hivemind.p2p import PeerID
+
+    async def go():
+        await (await swarm._prober._client()).connect(PeerID.from_base58(peer_id), maddrs)
+    asyncio.run_coroutine_threadsafe(go(), swarm._prober._loop).result(timeout=10)
+
+
+def test_introductions_reach_a_round_mate_that_p2pds_routing_cannot_find(reap):
+    """The four-peer stall (probe.py: introductions): a round-mate our p2pd never met is not found by p2pd's
+    routing; the addresses of its signed record connect us. Two peers on separate DHTs: nothing routes between
+    them but the introduction."""
+    cfg = Config()
+    cfg.run.run_id = f"intro-{uuid.uuid4().hex[:6]}"
+    cfg.swarm.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    a = Swarm(cfg, [torch.zeros(8)], lambda: ({}, []))
+    proc = None
+    try:
+        a.start()
+        proc = _spawn(cfg.run.run_id, [], reap)  # no initial peer: a DHT of its own
+        b = json.loads(proc.stdout.readline() or "null")
+        assert b, "the probe peer did not start"
+        with pytest.raises(Exception, match="routing: not found|failed to find"):
+            _p2pd_connect(a, b["peer_id"], [])
+        assert a._prober.introduce({b["peer_id"]: ["/ip4/127.0.0.1/tcp/1"]}, 1.0) == 0  # nobody there: no harm
+        # as the syncer asks: the round-mates of the group, with the records read from the DHT (here: given)
+        a._seen[b["peer_id"]] = ({"maddrs": b["maddrs"]}, float("inf"))
+        a._seen[UNKNOWN] = ({"maddrs": b["maddrs"], "client": True}, float("inf"))  # never dialled
+        started = time.monotonic()
+        a._introduce([b["peer_id"], UNKNOWN, a.peer_id])
+        assert time.monotonic() - started < 1.0
+        assert b["peer_id"] in asyncio.run_coroutine_threadsafe(a._prober._connections(), a._prober._loop).result(5)
+        assert a._prober.introduce({b["peer_id"]: b["maddrs"]}, 1.0) == 0  # already connected: nothing to do
+    finally:
+        _stop([proc] if proc is not None else [])
         a.shutdown()

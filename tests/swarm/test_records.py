@@ -17,7 +17,8 @@ from p2p_diloco.config import Config
 from p2p_diloco.swarm.identity import Identity, peer_id_of, records_by_owner
 from p2p_diloco.swarm.port import BLOB_MAX_BYTES
 from p2p_diloco.swarm.schema import LIFETIMES, ttl_cap
-from p2p_diloco.swarm.swarm import Swarm, fix_command_pipe, record_validators
+from p2p_diloco.swarm.starting import fix_command_pipe
+from p2p_diloco.swarm.swarm import Swarm, record_validators
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 KEY = "run.live"  # run id "run"

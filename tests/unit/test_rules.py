@@ -320,3 +320,31 @@ def test_seats_rotate_with_the_round_and_keep_half_of_the_previous_group():
     assert set(nxt) != set(previous)  # who sits out changes
     assert consensus.seats(4, list(reversed(peers)), previous, 64) == nxt  # every peer computes the same seats
     assert consensus.seats(4, peers[:10], previous, 64) == sorted(peers[:10])
+
+
+def test_every_member_names_the_same_matchmaking_leader_and_the_lead_moves_with_the_round():
+    peers = [f"p{i:02d}" for i in range(8)]
+    leaders = set()
+    for round_ in range(3, 13):
+        named = set()
+        for me in peers:
+            view = {pid: rec(round_, S) for pid in peers if pid != me}
+            action = rules.decide_sync(sync_state(round=round_, me=me), view, 1.0)
+            assert isinstance(action, AllReduce) and len(action.members) == 7, action
+            named.add(action.leader)
+        assert len(named) == 1 and named <= set(peers), named  # one leader, whoever decides
+        leaders |= named
+    assert len(leaders) >= 4, leaders  # 10 rounds, 8 peers: the lead moves
+
+
+@pytest.mark.parametrize("case, members, clients, me_client, want", [
+    ("a client-mode member never leads (it accepts no connection), nor do we when we are one", "abc", "b", True, "c"),
+    ("nobody able to lead: hivemind's own election", "ab", "b", True, None),
+    ("a member whose record we lack is not known to accept connections", "az", "", True, None),
+    ("we lead when the order drawn from the round puts us first", "ab", "", False, "a"),
+])
+def test_matchmaking_leader(case, members, clients, me_client, want):
+    view = {pid: rec(3, S, client=pid in clients) for pid in "abc"}
+    me = "a"
+    assert consensus.matchmaking_leader(3, list(members), {k: v for k, v in view.items() if k != me}, me,
+                                        me_client) == want, case

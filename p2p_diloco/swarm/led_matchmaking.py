@@ -1,0 +1,90 @@
+"""Matchmaking led by one agreed member: every member asks the same leader, which gathers the group until it is full.
+
+hivemind's matchmaking (1.1.12) elects leaders by declared expiration: each peer declares "matchmaking time from
+now" when it starts looking, the one that started first leads, and it gathers followers only until its own
+declaration expires; a group that is not full then is disbanded, and everyone starts over at a different moment.
+Our groups must be exactly the round's members, and on 2 cores 16 peers start looking up to 7 s apart: measured
+(``chaos --no-faults --sizes 16``, 2026-12-05), whoever started more than the matchmaking window after the first
+one missed every group, the attempts drifted apart, and round 2 failed 79 attempts in 180 s (one member's attempts
+ran a whole window behind the others' and never overlapped them again).
+
+The round rules already name the group (``AllReduce.members``) and one leader among them
+(:func:`p2p_diloco.protocol.consensus.matchmaking_leader`, the same on every member whose view agrees). So when the
+host names a leader for an attempt:
+
+* the leader never asks anyone: its search waits out its declaration, when hivemind's own loop assembles a full
+  group or sends the incomplete one away and declares again, until the step's deadline;
+* a follower asks only the leader, again every :data:`RETRY` seconds after a refusal (the leader not looking yet)
+  or a disbanded group, until its step's deadline; its request carries that deadline as its expiration. A
+  follower whose attempt ends first starts the next one at once and joins again: the leader's attempt is the
+  clock, and the group forms once every member is in it;
+* the leader takes a follower whatever its expiration (hivemind refuses one that expires before the leader's own
+  declaration: a leader that started later than its followers would refuse them all);
+* a group assembles the moment the last member joins (hivemind's ``target_group_size``).
+
+So members starting apart wait for each other until the deadline instead of missing each other's window. A member
+whose view names another leader finds no group and retries, as before; a leader that died fails the attempt (the
+probe names it a suspect and the next attempt leaves it out). Without a leader (sharded groups, tests), hivemind's
+matchmaking runs unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+
+RETRY = 0.2  # seconds between two requests of a follower to its leader
+LEADER_POLL = 0.05  # seconds; the shortest sleep of the leader's search (its declaration is being renewed)
+
+
+def install(mm) -> None:
+    """Let ``mm`` (a hivemind ``Matchmaking``) follow :func:`designate`; idempotent. Averager process only."""
+    if getattr(mm, "designated_leader", False) is not False:
+        return
+    potential = mm.potential_leaders
+    pop_next_leader, request_expiration = potential.pop_next_leader, mm.get_request_expiration_time
+    mm.designated_leader, mm.last_request = None, -math.inf
+
+    async def led_pop_next_leader() -> PeerID:
+        leader = mm.designated_leader
+        if leader is None:
+            return await pop_next_leader()
+        if leader == mm.peer_id:  # nobody to ask: at the end of our declaration hivemind assembles or disbands
+            while not math.isfinite(potential.declared_expiration_time):
+                await asyncio.sleep(LEADER_POLL)
+            await asyncio.sleep(max(LEADER_POLL, potential.declared_expiration_time - get_dht_time()))
+            raise asyncio.TimeoutError("the window of our declaration ended")
+        await asyncio.sleep(max(0.0, mm.last_request + RETRY - time.monotonic()))
+        mm.last_request = time.monotonic()
+        return leader
+
+    def led_request_expiration() -> float:
+        if mm.designated_leader is None or not math.isfinite(potential.search_end_time):
+            return request_expiration()
+        return potential.search_end_time  # we wait for the leader until our step's deadline
+
+    check = mm._check_reasons_to_reject
+
+    def led_check(request: averaging_pb2.JoinRequest, context):
+        ours = potential.declared_expiration_time
+        if mm.designated_leader == mm.peer_id and math.isfinite(ours) and request.expiration < ours:
+            request = averaging_pb2.JoinRequest(schema_hash=request.schema_hash, expiration=ours,
+                                                client_mode=request.client_mode, gather=request.gather,
+                                                group_key=request.group_key)
+        return check(request, context)
+
+    potential.pop_next_leader, mm.get_request_expiration_time = led_pop_next_leader, led_request_expiration
+    mm._check_reasons_to_reject = led_check
+
+
+def designate(mm, leader: str | None) -> None:
+    """The leader of ``mm``'s next attempt (a base58 peer id, ours or a round-mate's), or None for hivemind's own
+    election. Call between attempts (the averager's ``_set_round_params``)."""
+    install(mm)
+    mm.designated_leader = PeerID.from_base58(leader) if leader else None
+    mm.last_request = -math.inf
