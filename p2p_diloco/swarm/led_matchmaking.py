@@ -6,7 +6,7 @@ declaration expires; a group that is not full then is disbanded, and everyone st
 Our groups must be exactly the round's members, and on 2 cores 16 peers start looking up to 7 s apart: measured
 (``chaos --no-faults --sizes 16``, 2026-12-05), whoever started more than the matchmaking window after the first
 one missed every group, the attempts drifted apart, and round 2 failed 79 attempts in 180 s (one member's attempts
-ran a whole window behind the others' and never overlapped them again).
+started 38–40 s after the first of the others' three times in a row, about a whole attempt behind).
 
 The round rules already name the group (``AllReduce.members``) and one leader among them
 (:func:`p2p_diloco.protocol.consensus.matchmaking_leader`, the same on every member whose view agrees). So when the

@@ -264,9 +264,14 @@ class Swarm:
         check_probe(peer_ids, timeout)
         if self._prober is None:
             return frozenset()
+        announced = self._dialable(peer_ids)
+        return self._prober.probe(list(announced), timeout, announced)
+
+    def _dialable(self, peer_ids: Collection[str]) -> dict[str, Sequence[str]]:
+        """``{peer id: the multiaddrs its last record announces}`` for the peers of ``peer_ids`` we may dial: not
+        us, nor a peer whose last record says client mode (it accepts no connection)."""
         records = {pid: (self._seen.get(pid) or ({},))[0] for pid in peer_ids if pid != self.peer_id}
-        return self._prober.probe([pid for pid, r in records.items() if r.get("client") is not True], timeout,
-                                  {pid: r.get("maddrs") or () for pid, r in records.items()})
+        return {pid: r.get("maddrs") or () for pid, r in records.items() if r.get("client") is not True}
 
     def get_blobs(self, name: str) -> dict[str, bytes]:
         """``{peer_id: value}``: every owner's unexpired value under ``{run_id}.{name}`` (ours included), only signed
@@ -354,14 +359,14 @@ class Swarm:
                         t.copy_(avg)
         return result
 
-    def _introduce(self, members: Collection[str]) -> None:
+    def _introduce(self, members: Collection[str]) -> int:
         """Connect our p2pd to the expected round-mates it is not connected to, at the addresses of their signed
         records, so that matchmaking can reach them (probe.py: introductions); at most INTRODUCE_TIMEOUT seconds.
-        A client-mode peer cannot be dialled: it dials us."""
-        records = {pid: (self._seen.get(pid) or ({},))[0] for pid in members if pid != self.peer_id}
-        announced = {pid: r.get("maddrs") or () for pid, r in records.items() if r.get("client") is not True}
-        if announced and self._prober is not None:
-            self._prober.introduce(announced, INTRODUCE_TIMEOUT)
+        A client-mode peer cannot be dialled: it dials us. Returns the number of peers newly connected."""
+        announced = self._dialable(members)
+        if not announced or self._prober is None:
+            return 0
+        return self._prober.introduce(announced, INTRODUCE_TIMEOUT)
 
     @contextlib.contextmanager
     def averaged(self) -> Iterator[list[torch.Tensor]]:

@@ -57,8 +57,9 @@ def test_a_follower_asks_only_its_leader_paced_and_until_its_deadline():
         return times
     times = asyncio.run(asks(6))
     gaps = [b - a for a, b in zip(times, times[1:])]
-    assert gaps[0] >= RETRY - 0.02 and gaps[1] >= 2 * RETRY - 0.02  # a refused request is retried, not hammered
-    assert all(gap < MAX_RETRY + 0.2 for gap in gaps) and gaps[-1] >= MAX_RETRY - 0.02  # ... and not given up
+    wanted = [RETRY, 2 * RETRY, 4 * RETRY, MAX_RETRY, MAX_RETRY]  # a refused request is retried, not hammered
+    assert all(gap >= want - 0.02 for gap, want in zip(gaps, wanted, strict=True)), gaps
+    assert mm.retry == MAX_RETRY  # ... and never given up: the next waits MAX_RETRY again
     assert mm.get_request_expiration_time() == 1.0  # no search running: hivemind's own
     mm.potential_leaders.search_end_time = get_dht_time() + 30
     assert mm.get_request_expiration_time() == mm.potential_leaders.search_end_time  # waits until its deadline
@@ -74,10 +75,10 @@ def test_the_leader_asks_nobody_and_ends_each_window_of_its_declaration():
         assert not task.done()  # not declared yet: waits
         mm.potential_leaders.declared_expiration_time = get_dht_time() + 0.2
         started = time.monotonic()
-        with pytest.raises(asyncio.TimeoutError):
-            await task  # hivemind's loop then assembles a full group or sends the others away
+        with pytest.raises(asyncio.TimeoutError, match="window of our declaration ended"):
+            await asyncio.wait_for(task, 10)  # hivemind's loop then assembles a full group or sends the others away
         return time.monotonic() - started
-    assert 0.1 < asyncio.run(pop()) < 1.0
+    assert asyncio.run(pop()) > 0.1  # it waited out the declaration's window
 
 
 def test_the_leader_takes_a_follower_whose_expiration_is_earlier_than_its_own_declaration():
