@@ -104,7 +104,8 @@ class DataServer:
         try:
             header = bytearray(HEADER_SIZE)
             # the whole header within header_timeout (a deadline in total, not between bytes: slow-loris)
-            await asyncio.wait_for(recv_into(conn, memoryview(header), self.header_timeout), self.header_timeout)
+            async with asyncio.timeout(self.header_timeout):  # in this task: no inner task left to fail unseen
+                await recv_into(conn, memoryview(header), self.header_timeout)
             if header[:len(MAGIC)] != MAGIC:
                 return
             key = bytes(header[len(MAGIC):len(MAGIC) + 16])

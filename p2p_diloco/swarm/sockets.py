@@ -39,7 +39,10 @@ async def _ready(sock: socket.socket, write: bool, timeout: float) -> None:
     add, remove = (loop.add_writer, loop.remove_writer) if write else (loop.add_reader, loop.remove_reader)
     add(fd, lambda: waiter.done() or waiter.set_result(None))
     try:
-        await asyncio.wait_for(waiter, timeout)
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for drops a cancellation that arrives in the loop
+        # iteration its future completes in, and a cancelled reader would read on (tests/unit/test_sockets.py)
+        async with asyncio.timeout(timeout):
+            await waiter
     finally:
         remove(fd)
 
@@ -87,7 +90,8 @@ async def connect(address: str, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     tune(sock)
     try:
-        await asyncio.wait_for(asyncio.get_event_loop().sock_connect(sock, (host, int(port))), timeout)
+        async with asyncio.timeout(timeout):
+            await asyncio.get_event_loop().sock_connect(sock, (host, int(port)))
     except BaseException:
         sock.close()
         raise
