@@ -28,6 +28,7 @@ def validate(cfg: Config) -> None:
     check_swarm(cfg)
     check_modes(cfg)
     check_security(cfg)
+    check_codec(cfg)
 
 
 def one_of(allowed: tuple[str, ...]) -> str:
@@ -117,6 +118,27 @@ def check_modes(cfg: Config) -> None:
     if cfg.round.mode == "swarm_target" and cfg.outer.overlap:
         raise ConfigError("round.mode = swarm_target does not work with outer.overlap (the progress records would "
                           "mix the round in training with the one being averaged)")
+
+
+def check_codec(cfg: Config) -> None:
+    """``outer.compression = "topk"`` and its settings. Its error feedback sums the whole model's pseudo-gradient in
+    one process, so it needs the whole state (``rank0``); and a trimmed mean of sparse contributions cuts every
+    position that fewer than a quarter of the members sent (most of them), so it needs ``mean`` or
+    ``centered_clip``."""
+    o = cfg.outer
+    if not 0.0 < o.topk_density <= 0.5:
+        raise ConfigError(f"outer.topk_density must be in (0, 0.5], got {o.topk_density}")
+    if o.topk_bits not in (2, 4, 8):
+        raise ConfigError(f"outer.topk_bits must be 2, 4 or 8, got {o.topk_bits}")
+    if o.compression != "topk":
+        return
+    if o.sharding != "rank0":
+        raise ConfigError("outer.compression = topk needs outer.sharding = rank0 (its error feedback holds the "
+                          "whole pseudo-gradient)")
+    if o.aggregation == "trimmed_mean":
+        raise ConfigError("outer.compression = topk does not work with outer.aggregation = trimmed_mean (it would "
+                          "cut the positions few members sent, most of them): set outer.aggregation = mean or "
+                          "centered_clip")
 
 
 def check_security(cfg: Config) -> None:

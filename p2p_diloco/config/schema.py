@@ -20,7 +20,7 @@ Autocast = Literal["auto", "bf16", "off"]
 Device = Literal["cpu", "cuda", "auto"]
 Parallelism = Literal["ddp", "fsdp"]
 Streaming = Literal["auto", "true", "false"]
-Compression = Literal["none", "fp16", "bf16", "int8", "int4"]
+Compression = Literal["none", "fp16", "bf16", "int8", "int4", "topk"]
 Sharding = Literal["rank0", "sharded"]
 Aggregation = Literal["mean", "trimmed_mean", "centered_clip"]
 RoundMode = Literal["fixed_steps", "swarm_target"]
@@ -33,7 +33,8 @@ Deadlines = Literal["adaptive", "fixed"]
 SHARDED_ONLY = frozenset({"outer.sharding", "outer.shards"})
 # Settings added after runs were made: fingerprinted only when not at their default, so a run (and its checkpoints)
 # made before they existed keeps its fingerprint, while peers that set them differently still cannot average.
-OMITTED_AT_DEFAULT = frozenset({"outer.aggregation", "outer.norm_bound", "outer.trim", "train.total_steps"})
+OMITTED_AT_DEFAULT = frozenset({"outer.aggregation", "outer.norm_bound", "outer.trim", "train.total_steps",
+                                "outer.topk_density", "outer.topk_bits"})
 # Single settings of the other sections that every peer of a run must share: the seed of theta(0), the round mode,
 # and the horizon of the inner lr schedule (so that every peer trains a round with the same lr, whatever its
 # --max-rounds, and a run stopped and resumed with a larger --max-rounds continues exactly).
@@ -125,6 +126,10 @@ class OuterConfig:
     momentum: float = 0.3  # lr / (1 - momentum) = 1.0
     nesterov: bool = True
     compression: Compression = "none"  # wire codec of pseudo-gradients (see outer/codecs.py)
+    # topk: the fraction of every chunk of 4096 values sent, and the bits of each value sent (2, 4 or 8); what is
+    # not sent stays in this peer's error feedback (outer/error_feedback.py) and goes out in later rounds
+    topk_density: float = 1 / 64
+    topk_bits: int = 2
     overlap: bool = False  # average round r in the background while training round r+1 (outer step one round late)
     # where theta and the outer momentum live (p2p_diloco/outer/shards.py): "rank0" = whole, on one process (rank 0 of a
     # torchrun peer); "sharded" = cut into `shards` logical shards, each rank keeping its own, one averager each

@@ -57,11 +57,13 @@ class Checkpointer:
         training: the local model, inner optimizer and data stream.
         stats: the peer's counters (saved with it).
         cluster: the local ranks, or None (decides the inner optimizer's format).
+        feedback: ``topk``'s :class:`~p2p_diloco.outer.error_feedback.ErrorFeedback`, or None.
     """
 
-    def __init__(self, ctx: PeerContext, training, stats: PeerStats, cluster=None):
+    def __init__(self, ctx: PeerContext, training, stats: PeerStats, cluster=None, feedback=None):
         cfg = ctx.cfg
         self.ctx, self.training, self.stats, self.cluster = ctx, training, stats, cluster
+        self.feedback = feedback  # topk's ErrorFeedback (saved with the state: a resumed peer sends what it owed)
         self.store = CheckpointStore(cfg.checkpoint.dir, cfg.checkpoint.keep) if cfg.checkpoint.dir else None
         self.saved: tuple[int, str] | None = None  # (round, digest) of the last checkpoint written or loaded
 
@@ -84,6 +86,8 @@ class Checkpointer:
                  "bytes_received": self.stats.bytes_received, "eval_first": self.stats.eval_first,
                  "peer_id": self.ctx.swarm.peer_id or "", "config": cfg.to_dict(),
                  "optimizer_format": optimizer_format(cfg, self.cluster)}
+        if self.feedback is not None:
+            extra["error_feedback"] = self.feedback.state()
         with state.lock:
             try:
                 theta, momentum, more = state.save(str(self.store.directory), self._kept_rounds())
@@ -119,5 +123,10 @@ class Checkpointer:
         self.stats.rounds_participated = extra.get("rounds_participated", 0)
         self.stats.bytes_sent, self.stats.bytes_received = extra.get("bytes_sent", 0), extra.get("bytes_received", 0)
         self.stats.eval_first = extra.get("eval_first")
+        if self.feedback is not None:
+            try:
+                self.feedback.load(extra.get("error_feedback"))
+            except ValueError as e:
+                raise CheckpointError(f"{self.store.latest()}: {e}") from None
         self.saved = (state.round, state.digest)
         self.ctx.emit(Event.RESUMED, state.round, digest=state.digest, path=str(self.store.latest()))

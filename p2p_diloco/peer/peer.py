@@ -25,6 +25,8 @@ import logging
 from typing import Any, Callable
 
 from ..checkpoint import PeerState
+from ..outer.codecs import codec_for
+from ..outer.error_feedback import ErrorFeedback
 from ..protocol import rules
 from ..protocol.actions import Leave, Repair, Start
 from ..protocol.records import Phase
@@ -69,8 +71,11 @@ class Peer:
         self.state_sync = StateSync(ctx, self.chain)
         self.inner = InnerLoop(ctx, training, self.stats)
         self.syncer = Syncer(ctx, self.state_sync, self.stats, self.chain)
-        self.checkpoints = Checkpointer(ctx, training, self.stats, cluster)
-        self.rounds = Rounds(ctx, training, self.inner, self.syncer, self.checkpoints, self.stats)
+        # topk's error feedback (outer/error_feedback.py): what this peer has not sent yet, local to it
+        self.feedback = (ErrorFeedback(codec_for(ctx.cfg.outer), ctx.state.tensors_like())
+                         if ctx.cfg.outer.compression == "topk" else None)
+        self.checkpoints = Checkpointer(ctx, training, self.stats, cluster, self.feedback)
+        self.rounds = Rounds(ctx, training, self.inner, self.syncer, self.checkpoints, self.stats, self.feedback)
         self.overlap = OverlapLoop(ctx, self.rounds, self.state_sync) if ctx.cfg.outer.overlap else None
 
     def run(self) -> dict[str, Any]:

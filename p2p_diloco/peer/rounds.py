@@ -15,6 +15,7 @@ Round numbers are swarm-wide: ``run.max_rounds`` R means "stop once theta(R) exi
 from __future__ import annotations
 
 from ..metrics.events import Event
+from ..outer.error_feedback import ErrorFeedback
 from ..protocol.records import Phase
 from .checkpoints import Checkpointer
 from .context import PeerContext, PeerStats
@@ -32,12 +33,13 @@ class Rounds:
         syncer: the end-of-round sync.
         checkpoints: round-boundary checkpoints.
         stats: the peer's counters.
+        feedback: ``topk``'s error feedback, or None (every other codec sends the pseudo-gradient itself).
     """
 
     def __init__(self, ctx: PeerContext, training, inner: InnerLoop, syncer: Syncer, checkpoints: Checkpointer,
-                 stats: PeerStats):
+                 stats: PeerStats, feedback: ErrorFeedback | None = None):
         self.ctx, self.training, self.inner, self.syncer = ctx, training, inner, syncer
-        self.checkpoints, self.stats = checkpoints, stats
+        self.checkpoints, self.stats, self.feedback = checkpoints, stats, feedback
 
     def finished(self) -> bool:
         return 0 < self.ctx.cfg.run.max_rounds <= self.ctx.state.round
@@ -59,10 +61,17 @@ class Rounds:
         """Average ``buffer`` (our pseudo-gradient from theta(``r``)) with the round's peers and apply the outer
         step: theta(r + 1). False if we fell behind, repaired or stopped instead."""
         ctx = self.ctx
-        certificate = self.syncer.sync(r, buffer, tokens)
+        # with error feedback, what we send is the codec's encoding of (pseudo-gradient + the error kept so far);
+        # the rest becomes the error only if this round commits (error_feedback.py's commit contract)
+        sent = buffer if self.feedback is None else self.feedback.compensate(buffer)
+        certificate = self.syncer.sync(r, sent, tokens)
         if certificate is None:
+            if self.feedback is not None:
+                self.feedback.reject()
             return False
         ctx.state.commit(certificate)  # the step prepared from the swarm's average, now that every member signed
+        if self.feedback is not None:
+            self.feedback.accept()
         self.stats.rounds_participated += 1
         ctx.emit(Event.OUTER_STEP, ctx.state.round, digest=ctx.state.digest, inner_steps=steps,
                  certificate=certificate.id, signers=len(certificate.signatures))

@@ -20,7 +20,7 @@ import torch
 from hivemind.averaging.control import AveragingStage
 
 from ..outer.aggregation import Policy, corrupt_
-from ..outer.codecs import get_codec
+from ..outer.codecs import codec_for
 from ..errors import RoundFailed, SwarmError
 from .port import AllReduceResult
 from .exact_averager import ExactAverager, quiet_step_failures
@@ -79,20 +79,29 @@ class Averagers:
         prefix = f"{cfg.run.run_id}_{cfg.fingerprint()}"
         quiet_step_failures()  # before the averagers fork: a failed attempt is reported once, by the round protocol
         self.state_sizes: list[tuple[int, int]] = []  # per averager: (bytes, tensors) of theta and its momentum
+        codec = codec_for(cfg.outer)
+        # a chunked codec (topk) averages one flat buffer: hivemind then cuts its libp2p parts from the start of the
+        # concatenation, on the chunks that the error feedback and the TCP data plane use too (error_feedback.py)
+        self.shapes: list[list[torch.Size]] | None = None if codec.align == 1 else []
         for n, key in enumerate(self.keys):
             buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in groups[key]]
             self.state_sizes.append((2 * sum(b.numel() * b.element_size() for b in buffers), 2 * len(buffers)))
+            state_shapes = [tuple(b.shape) for b in buffers] * 2  # what a donor sends: theta, momentum
+            if self.shapes is not None:
+                self.shapes.append([b.shape for b in buffers])
+                buffers = [torch.zeros(sum(b.numel() for b in buffers), dtype=torch.float32)]
             averager = ExactAverager(
                 buffers, dht, start=False, prefix=prefix + (f"_{key}" if key else ""),
                 target_group_size=2, min_group_size=2, min_matchmaking_time=self.sc.matchmaking_time,
                 request_timeout=self.sc.request_timeout, allreduce_timeout=self.sc.allreduce_timeout,
                 next_chunk_timeout=self.sc.next_chunk_timeout, part_size_bytes=self.sc.part_size_bytes,
-                compression=compression_for(cfg.outer.compression), declare_state_period=max(5.0, self.sc.peer_ttl),
+                compression=compression_for(codec, self.sc.part_size_bytes),
+                declare_state_period=max(5.0, self.sc.peer_ttl),
                 shutdown_timeout=5, client_mode=self.sc.client_mode,
             )
             averager.state_provider = state_providers[key]
-            averager.state_shapes = [tuple(b.shape) for b in buffers] * 2  # what a donor sends: theta, momentum
-            averager.codec = get_codec(cfg.outer.compression)
+            averager.state_shapes = state_shapes
+            averager.codec = codec
             averager.policy, averager.allowed = policy_of(cfg), allowed
             advert = None
             if self.sc.transport == "tcp" and not self.sc.client_mode:  # a client cannot accept data connections:
@@ -153,8 +162,11 @@ class Averagers:
             averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
                                       allreduce_timeout=allreduce_timeout, leader=None if shards else leader)
             with averager.get_tensors() as buffers:
-                for buf, t in zip(buffers, tensors, strict=True):
-                    buf.copy_(t)
+                if self.shapes is not None:
+                    torch.cat([t.reshape(-1) for t in tensors], out=buffers[0])
+                else:
+                    for buf, t in zip(buffers, tensors, strict=True):
+                        buf.copy_(t)
                 if self.cfg.debug.corrupt_pseudo_gradient:  # the security tests' malicious peer
                     corrupt_(buffers, self.cfg.debug.corrupt_pseudo_gradient, self._corruption)
             mine = dict(gather, data=advert) if advert and self.p2p_only_round != round_ else gather
@@ -226,7 +238,12 @@ class Averagers:
     def averaged(self) -> Iterator[list[list[torch.Tensor]]]:
         """The last successful all-reduce's averages, per averager, in place (under the averagers' locks)."""
         with contextlib.ExitStack() as stack:
-            yield [stack.enter_context(averager.get_tensors()) for averager in self.list]
+            buffers = [stack.enter_context(averager.get_tensors()) for averager in self.list]
+            if self.shapes is not None:  # views of the flat buffer, shaped like the inputs
+                buffers = [[piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]),
+                                                                      shapes, strict=True)]
+                           for (flat,), shapes in zip(buffers, self.shapes, strict=True)]
+            yield buffers
 
     def download(self, index: int, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]]:
         """(metadata, tensors) from averager ``index``'s counterpart on ``peer_id``, at most the size of our own

@@ -1,9 +1,9 @@
 """hivemind ``CompressionBase`` adapters for the codecs of :mod:`p2p_diloco.outer.codecs`.
 
 hivemind picks a deserializer by the ``compression`` enum of each message, from a fixed protobuf enum. Our int8,
-int4 and bf16 take the ``BLOCKWISE_8BIT``, ``UNIFORM_8BIT`` and ``MEANSTD_16BIT`` slots (the stock 8-bit codecs
-need bitsandbytes or crash on numpy >= 2.4, field notes item 8; hivemind's own bfloat16 path sends fp32 unless
-``USE_LEGACY_BFLOAT16`` is off). fp16 and none are hivemind's.
+int4, bf16 and topk take the ``BLOCKWISE_8BIT``, ``UNIFORM_8BIT``, ``MEANSTD_16BIT`` and ``QUANTILE_8BIT`` slots
+(the stock 8-bit codecs need bitsandbytes or crash on numpy >= 2.4, field notes item 8; hivemind's own bfloat16
+path sends fp32 unless ``USE_LEGACY_BFLOAT16`` is off). fp16 and none are hivemind's.
 :func:`install` registers them; it runs when this module is imported, in the host process, before the averager
 process forks, so both hold the same table. Each message also names its codec in ``dtype``, and decoding checks
 it: a peer with another codec table fails loudly instead of misreading bytes.
@@ -16,7 +16,7 @@ from hivemind.compression import CompressionBase, CompressionInfo, Float16Compre
 from hivemind.compression import serialization
 from hivemind.proto import runtime_pb2
 
-from ..outer.codecs import Codec, get_codec
+from ..outer.codecs import Codec, TopKCodec, get_codec
 
 
 class CodecCompression(CompressionBase):
@@ -55,14 +55,40 @@ def install() -> None:
     serialization._BASE_COMPRESSION_TYPES["MEANSTD_16BIT"] = _BF16
 
 
-def compression_for(name: str) -> CompressionBase:
-    """The hivemind compression for ``outer.compression``."""
+class ChunkedCompression(CodecCompression):
+    """``topk`` as a hivemind compression: its libp2p parts hold whole chunks.
+
+    hivemind cuts each tensor into parts of ``int(part_size_bytes / (element_size * estimate_compression_ratio))``
+    values from the tensor's start; the estimate returned here makes that a whole number of the codec's chunks
+    (about ``part_size_bytes`` encoded), so that a part re-encodes its members' sparse tensors without loss.
+    """
+
+    def __init__(self, codec: TopKCodec, part_size_bytes: int):
+        super().__init__(codec, runtime_pb2.CompressionType.QUANTILE_8BIT)
+        self.tag = f"p2p_diloco:topk:{codec.density}:{codec.bits}"  # a peer with other settings fails loudly
+        chunks = max(1, round(part_size_bytes / codec.payload_bytes(codec.align)))
+        # + 0.5: hivemind's int() of the quotient then lands on the whole number, whatever the float rounding
+        self.ratio = part_size_bytes / (4 * (chunks * codec.align + 0.5))
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.ratio
+
+
+def compression_for(codec: Codec | str, part_size_bytes: int = 2**20) -> CompressionBase:
+    """The hivemind compression for the run's codec (:func:`~p2p_diloco.outer.codecs.codec_for`, or a codec name
+    with its default settings). ``topk``'s slot is set to the run's own density and bits here, in the host process
+    before its averagers fork; ``part_size_bytes``: the averager's (``swarm.part_size_bytes``)."""
     install()
+    codec = get_codec(codec) if isinstance(codec, str) else codec
+    if isinstance(codec, TopKCodec):
+        topk = ChunkedCompression(codec, part_size_bytes)
+        serialization._BASE_COMPRESSION_TYPES["QUANTILE_8BIT"] = topk
+        return topk
     table = {"none": NoCompression(), "fp16": Float16Compression(), "bf16": _BF16,
              "int8": _INT8, "int4": _INT4}
-    if name not in table:
-        raise ValueError(f"unknown outer.compression {name!r}")
-    return table[name]
+    if codec.name not in table:
+        raise ValueError(f"unknown outer.compression {codec.name!r}")
+    return table[codec.name]
 
 
 install()

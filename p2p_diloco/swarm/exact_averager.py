@@ -183,7 +183,10 @@ class ExactAverager(PushMixin, DecentralizedAverager):
         flat = self._workspace.get("flat", sum(t.numel() for t in tensors))  # a copy: the runner averages in place
         torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=flat)
         cuts = torch.tensor([0.0, *peer_fractions]).cumsum(0) / max(sum(peer_fractions), 1e-9) * flat.numel()
-        bounds = [int(round(float(c))) for c in cuts]
+        # slices start on the codec's chunk boundaries (topk: its error feedback cut the same chunks, so the slices'
+        # encodings lose nothing more); 1 for the other codecs
+        align = self.codec.align
+        bounds = [min(flat.numel(), int(round(float(c) / align)) * align) for c in cuts]
         bounds[-1] = flat.numel()
         runner = FastAllReduce(group_info.group_id, group_info.peer_ids.index(self.peer_id), peers, flat,
                                bounds, weight, self.codec, chunk_timeout=self.next_chunk_timeout or 10.0,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..outer.aggregation import Contribution, Policy, aggregate, corrupt_
-from ..outer.codecs import get_codec
+from ..outer.codecs import codec_for
 
 
 @dataclass
@@ -133,7 +133,7 @@ class Group:
             for j, reason in left_out.items():
                 excluded.setdefault(j, reason)
         average = torch.cat(parts)
-        average = get_codec(cfg.outer.compression).round_trip(average)
+        average = codec_for(cfg.outer).round_trip(average)
         self.excluded = {calls[i].swarm.peer_id: reason for i, reason in excluded.items()}
         self.result = [average]
         for m in self.members:  # they read their answers too late: the others hold the complete result

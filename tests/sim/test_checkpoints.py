@@ -13,8 +13,11 @@ from p2p_diloco.testing.harness import SimSwarm
 pytestmark = pytest.mark.sim
 
 
-def _lone(tmp_path, name, extra=(), resume=None):
-    with SimSwarm(["run.max_rounds=4", "data.seed=7", *extra]) as swarm:
+TOPK = ("outer.compression='topk'", "outer.aggregation='mean'")
+
+
+def _lone(tmp_path, name, extra=(), resume=None, codec=()):
+    with SimSwarm(["run.max_rounds=4", "data.seed=7", *codec, *extra]) as swarm:
         peer = swarm.add(name=name, resume_from=resume)
         if resume is None and extra:
             swarm.when(peer, lambda e: e["event"] == Event.CHECKPOINT_SAVED and e["round"] == 2, peer.stop.set)
@@ -22,14 +25,19 @@ def _lone(tmp_path, name, extra=(), resume=None):
         return peer
 
 
-def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path):
-    straight = _lone(tmp_path, "straight").summary()
+@pytest.mark.parametrize("codec", [(), TOPK], ids=["none", "topk"])
+def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, codec):
+    """With topk, the error feedback (what the peer has not sent yet) is part of what resumes exactly: without it
+    round 3 sends other bits and the digests part."""
+    straight = _lone(tmp_path, "straight", codec=codec).summary()
     ckpt = tmp_path / "ckpt"
-    first = _lone(tmp_path, "first", [f"checkpoint.dir={ckpt}"]).summary()
+    first = _lone(tmp_path, "first", [f"checkpoint.dir={ckpt}"], codec=codec).summary()
     assert first["stopped_early"] and first["rounds_completed"] == 2
     saved = CheckpointStore(ckpt).load()
     assert saved.round == 2
-    resumed = _lone(tmp_path, "resumed", [f"checkpoint.dir={ckpt}", "checkpoint.resume=true"], resume=saved)
+    assert ("error_feedback" in saved.extra) == bool(codec)
+    resumed = _lone(tmp_path, "resumed", [f"checkpoint.dir={ckpt}", "checkpoint.resume=true"], resume=saved,
+                    codec=codec)
     s = resumed.summary()
     assert s["rounds_completed"] == straight["rounds_completed"] == 4
     assert s["global_digest"] == straight["global_digest"], "resume did not continue exactly"

@@ -2,7 +2,7 @@
 
 Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K] [--attempts A]
                        [--retry-only-matchmaking]
-                       [--codec none|fp16|bf16|int8|int4]
+                       [--codec none|fp16|bf16|int8|int4|topk]
                        [--slow-answers SECONDS] [--trailing-error]
                        [--transport p2p|tcp] [--fd-headroom K] (and the other hooks: see main)
 Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
@@ -22,9 +22,17 @@ import torch
 SHAPES = [(512, 1024), (333,)]
 
 
-def make_tensors(i: int) -> list[torch.Tensor]:
+def make_tensors(i: int, codec: str = "none") -> list[torch.Tensor]:
+    """Peer ``i``'s tensors. With ``topk`` what a peer's error feedback hands the averager: the codec's decoding
+    of the concatenated tensors (outer/error_feedback.py)."""
     g = torch.Generator().manual_seed(i)
-    return [torch.randn(*s, generator=g) for s in SHAPES]
+    tensors = [torch.randn(*s, generator=g) for s in SHAPES]
+    if codec != "topk":
+        return tensors
+    from p2p_diloco.outer.codecs import get_codec
+
+    # one flat tensor, as swarm/averagers.py averages for a chunked codec
+    return [get_codec("topk").round_trip(torch.cat([t.reshape(-1) for t in tensors]))]
 
 
 def die_mid_allreduce(after_parts: int) -> None:
@@ -286,9 +294,10 @@ def main() -> None:
                        identity_path=identity.path)
     identity.close()  # p2pd has read it
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
-    av = ExactAverager(make_tensors(args.index), dht, start=False, prefix="avgtest", min_matchmaking_time=5.0,
-                       request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0, part_size_bytes=2**16,
-                       compression=compression_for(args.codec))
+    av = ExactAverager(make_tensors(args.index, args.codec), dht, start=False, prefix="avgtest",
+                       min_matchmaking_time=5.0, request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0,
+                       part_size_bytes=2**16,
+                       compression=compression_for(args.codec, 2**16))
     from p2p_diloco.outer.aggregation import Policy
 
     av.policy = Policy(method="mean")  # the weighted mean: what the tests compute exactly
@@ -312,7 +321,7 @@ def main() -> None:
         # A retry is needed in practice: hivemind's matchmaking can assemble a group that one follower never hears
         # of (its join stream is reset), and then the others' all-reduce aborts for want of its parts.
         with av.get_tensors() as ts:
-            for t, mine in zip(ts, make_tensors(args.index)):
+            for t, mine in zip(ts, make_tensors(args.index, args.codec)):
                 t.copy_(mine)
         av.set_round_params("0110", args.expect or args.group_size, timeout=10)
         try:

@@ -140,9 +140,11 @@ def test_enum_settings_are_literals_with_the_modules_choices():
 
 @pytest.mark.parametrize("name, allowed", _literal_fields())
 def test_every_literal_setting_takes_its_choices_and_nothing_else(name, allowed):
+    needs = {"outer.compression='topk'": ["outer.aggregation='mean'"]}  # the one choice that needs another
     for value in allowed:
         section, key = name.split(".")
-        assert getattr(getattr(load_config(None, [f"{name}='{value}'"]), section), key) == value
+        item = f"{name}='{value}'"
+        assert getattr(getattr(load_config(None, [item, *needs.get(item, [])]), section), key) == value
     wording = " or ".join(allowed) if len(allowed) == 2 else "one of " + ", ".join(allowed)
     with pytest.raises(ConfigError, match=f"^{re.escape(f'{name} must be {wording}, got ' + repr('bogus'))}$"):
         load_config(None, [f"{name}=bogus"])
@@ -154,7 +156,7 @@ def test_choices_are_checked_on_a_config_built_in_code():
     cfg = Config()
     cfg.outer.compression = "zstd"
     with pytest.raises(ConfigError, match=re.escape("outer.compression must be one of none, fp16, bf16, int8, int4, "
-                                                    "got 'zstd'")):
+                                                    "topk, got 'zstd'")):
         validate(cfg)
 
 
@@ -217,3 +219,21 @@ def test_a_true_false_choice_takes_an_unquoted_bool():
     assert load_config(sets=["data.streaming=true"]).data.streaming == "true"
     with pytest.raises(ConfigError, match="train.autocast must be a string"):
         load_config(sets=["train.autocast=true"])  # not one of its choices: no silent conversion
+
+
+@pytest.mark.parametrize("items, needle", [
+    (["outer.compression='topk'"], "does not work with outer.aggregation = trimmed_mean"),
+    (["outer.compression='topk'", "outer.aggregation='mean'", "outer.sharding='sharded'"], "needs outer.sharding"),
+    (["outer.topk_bits=3"], "outer.topk_bits must be 2, 4 or 8"),
+    (["outer.topk_density=0.9"], "outer.topk_density must be in (0, 0.5]"),
+])
+def test_topk_settings_are_checked(items, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        load_config(None, items)
+
+
+def test_topk_settings_are_fingerprinted_only_when_set():
+    base = load_config(None, ["outer.compression='topk'", "outer.aggregation='mean'"])
+    assert load_config(None, ["outer.compression='topk'", "outer.aggregation='mean'",
+                              "outer.topk_density=0.03"]).fingerprint() != base.fingerprint()
+    assert Config().fingerprint() == load_config(None, ["outer.topk_bits=2"]).fingerprint()
