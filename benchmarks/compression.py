@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--project", action="store_true", help="print the sync-time projection for 1B-50B and exit")
+    ap.add_argument("--arms", nargs="+", default=None, help="run only these arms (fp32 always runs: the reference)")
     args = ap.parse_args()
     if args.project:
         project(args.peers, args.densities, args.bits)
@@ -105,6 +106,8 @@ def main() -> int:
     print(f"N = {args.peers}, T = {steps}, H = {args.h} ({rounds} rounds); logs in {out}", flush=True)
     t0, arms = time.monotonic(), []
     for name, extra in arms_of(args.densities, args.bits):
+        if args.arms and name != "fp32" and name not in args.arms:
+            continue
         cfg = load_config(None, args.sets + extra)
         arms.append(swarm_arm(name, cfg, args.sets + extra, args.peers, steps, args.h, out))
         print(f"  {name}: {arms[-1].final:.4f} ({arms[-1].wall_s:.0f} s) {arms[-1].note}", flush=True)

@@ -66,6 +66,8 @@ class Averagers:
         identity: our identity (identity.py): signs our data-plane entry (data_auth.py).
     """
 
+    shapes: list[list[torch.Size]] | None = None  # per averager, with a chunked codec: its inputs' shapes
+
     def __init__(self, cfg, dht, groups: dict[str, Sequence[torch.Tensor]],
                  state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]],
                  visible_maddrs: Callable[[], list[str]], allowed: frozenset[str] | None = None,
@@ -82,7 +84,7 @@ class Averagers:
         codec = codec_for(cfg.outer)
         # a chunked codec (topk) averages one flat buffer: hivemind then cuts its libp2p parts from the start of the
         # concatenation, on the chunks that the error feedback and the TCP data plane use too (error_feedback.py)
-        self.shapes: list[list[torch.Size]] | None = None if codec.align == 1 else []
+        self.shapes = None if codec.align == 1 else []
         for n, key in enumerate(self.keys):
             buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in groups[key]]
             self.state_sizes.append((2 * sum(b.numel() * b.element_size() for b in buffers), 2 * len(buffers)))

@@ -36,7 +36,7 @@ def run_cli(*args, env=None):
     (["join", "--identity-path", "/nonexistent-dir/id.key", "--max-rounds", "1"], "cannot create identity file"),
     (["join", "--set", "swarm.deadlines=sometimes"], "swarm.deadlines must be adaptive or fixed"),
     (["join", "--set", "outer.compression=zstd"],
-     "outer.compression must be one of none, fp16, bf16, int8, int4, got 'zstd'"),
+     "outer.compression must be one of none, fp16, bf16, int8, int4, topk, got 'zstd'"),
     (["join", "--set", "data.streaming=maybe"], "data.streaming must be one of auto, true, false, got 'maybe'"),
     (["join", "--set", "swarm.transport=udp"], "swarm.transport must be tcp or p2p, got 'udp'"),
     (["join", "--resume"], "--resume needs --checkpoint-dir (checkpoint.dir)"),
