@@ -34,13 +34,14 @@ from p2p_diloco.outer.codecs import get_codec
 LOSS_BUDGET = 1.01  # the loss an arm may reach, over fp32's, and still count as "no loss"
 
 
-def arms_of(densities: list[float], bits: int) -> list[tuple[str, list[str]]]:
-    """(name, extra --set items) of every arm, fp32 first."""
+def arms_of(densities: list[float], bits: int, topk_sets: list[str] = ()) -> list[tuple[str, list[str]]]:
+    """(name, extra --set items) of every arm, fp32 first; ``topk_sets`` go to the topk arms only."""
     arms = [("fp32", ["outer.compression='none'"]), ("int8", ["outer.compression='int8'"]),
             ("int4", ["outer.compression='int4'"])]
     for d in densities:
         arms.append((f"topk-{d:.4f}-{bits}bit", ["outer.compression='topk'", f"outer.topk_density={d}",
-                                                 f"outer.topk_bits={bits}", "outer.aggregation='mean'"]))
+                                                 f"outer.topk_bits={bits}", "outer.aggregation='mean'",
+                                                 *topk_sets]))
     return arms
 
 
@@ -89,6 +90,8 @@ def main() -> int:
     ap.add_argument("--densities", type=float, nargs="+", default=[1 / 64, 1 / 32])
     ap.add_argument("--bits", type=int, default=2, choices=(2, 4, 8))
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    ap.add_argument("--topk-set", dest="topk_sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config override for the topk arms only (e.g. their own outer step)")
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--project", action="store_true", help="print the sync-time projection for 1B-50B and exit")
     ap.add_argument("--arms", nargs="+", default=None, help="run only these arms (fp32 always runs: the reference)")
@@ -105,7 +108,7 @@ def main() -> int:
     torch.set_num_threads(2)
     print(f"N = {args.peers}, T = {steps}, H = {args.h} ({rounds} rounds); logs in {out}", flush=True)
     t0, arms = time.monotonic(), []
-    for name, extra in arms_of(args.densities, args.bits):
+    for name, extra in arms_of(args.densities, args.bits, args.topk_sets):
         if args.arms and name != "fp32" and name not in args.arms:
             continue
         cfg = load_config(None, args.sets + extra)

@@ -103,9 +103,11 @@ class DataServer:
         key, allreduce, me = None, None, asyncio.current_task()
         try:
             header = bytearray(HEADER_SIZE)
-            # the whole header within header_timeout (a deadline in total, not between bytes: slow-loris)
-            async with asyncio.timeout(self.header_timeout):  # in this task: no inner task left to fail unseen
-                await recv_into(conn, memoryview(header), self.header_timeout)
+            # the whole header within header_timeout (a deadline in total, not between bytes: slow-loris). (With
+            # asyncio.timeout here instead, an evicted handler was later found waiting in _registered's wait_for
+            # with its cancellation pending, in 6 runs of 6 of test_headers_for_made_up_groups_cannot_shut_the_
+            # members_out; not understood, so wait_for stays: recv_into itself no longer drops a cancellation.)
+            await asyncio.wait_for(recv_into(conn, memoryview(header), self.header_timeout), self.header_timeout)
             if header[:len(MAGIC)] != MAGIC:
                 return
             key = bytes(header[len(MAGIC):len(MAGIC) + 16])

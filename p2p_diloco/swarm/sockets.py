@@ -90,8 +90,7 @@ async def connect(address: str, timeout: float) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     tune(sock)
     try:
-        async with asyncio.timeout(timeout):
-            await asyncio.get_event_loop().sock_connect(sock, (host, int(port)))
+        await asyncio.wait_for(asyncio.get_event_loop().sock_connect(sock, (host, int(port))), timeout)
     except BaseException:
         sock.close()
         raise
