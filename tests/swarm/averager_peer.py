@@ -291,7 +291,7 @@ def main() -> None:
 
     identity = Identity()  # our libp2p identity: it signs our data-plane entry, as in a peer
     dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                       identity_path=identity.path)
+                       identity_path=identity.path, check_if_identity_free=False)  # fresh: as a peer (swarm.py)
     identity.close()  # p2pd has read it
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
     av = ExactAverager(make_tensors(args.index, args.codec), dht, start=False, prefix="avgtest",
