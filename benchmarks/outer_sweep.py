@@ -12,7 +12,10 @@ Usage::
 
     python -m benchmarks.outer_sweep --steps 600 --h 20 100 --outer 0.7:0.9 1.0:0 [--set data.batch_size=32]
 
-``--outer LR:MOMENTUM`` (Nesterov whenever momentum > 0). ``--ref`` adds the single-worker and N x batch data
+``--outer LR:MOMENTUM`` (Nesterov whenever momentum > 0). ``--codecs NAME ...`` (default none): every worker's
+pseudo-gradient goes through that codec's encoding (``topk``: of pseudo-gradient + its error feedback,
+``--density``, ``--bits``) and the mean once more, as a reducer sends it back; the swarm's reducer keeps its own
+part unencoded, so codec arms agree with the swarm's only roughly. ``--ref`` adds the single-worker and N x batch data
 parallel arms of ``convergence.py``. One line per run: ``sweep h=<H> outer=<lr>:<m> final=<loss> curve=...``.
 """
 
@@ -27,6 +30,8 @@ import torch
 
 from benchmarks.convergence import DATA_SEED, local_arm
 from p2p_diloco.outer import optimizer as outer
+from p2p_diloco.outer.codecs import Codec, get_codec
+from p2p_diloco.outer.error_feedback import ErrorFeedback
 from p2p_diloco.config import Config, load_config
 from p2p_diloco.training.data import PackedStream, eval_batches
 from p2p_diloco.training.inner import InnerTrainer, evaluate
@@ -37,8 +42,9 @@ CPU = torch.device("cpu")
 
 
 def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: float,
-             data_seed: int = DATA_SEED) -> list[float]:
-    """T/H rounds of DiLoCo with N simulated workers; returns the eval loss of theta after every round (and at 0)."""
+             data_seed: int = DATA_SEED, codec: Codec | None = None) -> list[float]:
+    """T/H rounds of DiLoCo with N simulated workers; returns the eval loss of theta after every round (and at 0).
+    ``codec``: every pseudo-gradient and the mean go through it (module docstring)."""
     tok = build_tokenizer(cfg.tokenizer)
     model = build_model(cfg.model, vocab_size(tok), cfg.run.seed)
     evals = eval_batches(tok, cfg.data, cfg.eval.batches)
@@ -51,25 +57,37 @@ def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: f
         workers.append((replica, stream, InnerTrainer(replica, cfg.train, stream.next_batch, steps, CPU)))
     delta = [torch.zeros_like(t) for t in theta]
     part = [torch.zeros_like(t) for t in theta]
+    feedback = [ErrorFeedback(codec, theta) if codec is not None and codec.align > 1 else None for _ in workers]
     curve = [evaluate(model, evals, CPU)]
     for rnd in range(steps // h):
         for d in delta:
             d.zero_()
-        for replica, _, trainer in workers:
+        for (replica, _, trainer), ef in zip(workers, feedback):
             outer.load_into(replica.parameters(), theta)
             for k in range(h):
                 trainer.step(rnd * h + k)
             outer.pseudo_gradient(theta, replica.parameters(), part)
-            for d, p in zip(delta, part):
+            sent = part if codec is None else _encoded(codec, ef, part)
+            for d, p in zip(delta, sent):
                 d.add_(p)
         for d in delta:
             d.div_(peers)
-        opt.step(delta)
+        opt.step(delta if codec is None else _encoded(codec, None, delta))
         outer.load_into(model.parameters(), theta)
         curve.append(evaluate(model, evals, CPU))
     for _, stream, _ in workers:
         stream.close()
     return curve
+
+
+def _encoded(codec: Codec, feedback: ErrorFeedback | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What a receiver decodes of ``tensors`` (with ``feedback``: of tensors + the error, which it then keeps)."""
+    if feedback is not None:
+        sent = feedback.compensate(tensors)
+        feedback.accept()
+        return sent
+    flat = codec.round_trip(torch.cat([t.reshape(-1) for t in tensors]))
+    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 def parse_outer(text: str) -> tuple[float, float]:
@@ -85,6 +103,9 @@ def main() -> int:
     ap.add_argument("--outer", type=parse_outer, nargs="+", default=[(0.7, 0.9), (1.0, 0.0)], metavar="LR:M")
     ap.add_argument("--data-seed", type=int, default=DATA_SEED, help="worker i reads data order S + i")
     ap.add_argument("--ref", action="store_true", help="also the single-worker and data-parallel arms")
+    ap.add_argument("--codecs", nargs="+", default=["none"], help="outer.compression of each arm")
+    ap.add_argument("--density", type=float, default=1 / 64, help="topk's density")
+    ap.add_argument("--bits", type=int, default=2, choices=(2, 4, 8), help="topk's value bits")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = ap.parse_args()
     cfg = load_config(None, args.sets)
@@ -99,10 +120,11 @@ def main() -> int:
     for h in args.h:
         if args.steps % h:
             ap.error(f"--steps {args.steps} is not a multiple of H = {h}")
-        for lr, m in args.outer:
+        for (lr, m), name in [(o, c) for o in args.outer for c in args.codecs]:
             t0 = time.monotonic()
-            curve = simulate(cfg, args.peers, args.steps, h, lr, m, args.data_seed)
-            print(f"sweep h={h} outer={lr}:{m} final={curve[-1]:.4f} wall={time.monotonic() - t0:.0f}s "
+            codec = None if name == "none" else get_codec(name, args.density, args.bits)
+            curve = simulate(cfg, args.peers, args.steps, h, lr, m, args.data_seed, codec)
+            print(f"sweep h={h} outer={lr}:{m} codec={name} final={curve[-1]:.4f} wall={time.monotonic() - t0:.0f}s "
                   f"curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
     return 0
 

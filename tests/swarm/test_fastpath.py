@@ -268,11 +268,11 @@ def test_a_reduction_still_running_after_an_abort_keeps_the_runner_unsettled(mon
     thread after an abort would otherwise write into the next all-reduce's buffers."""
     import threading
 
-    release, reducing = threading.Event(), threading.Event()
+    release, reducing = threading.Event(), []
     reduce_slice = FastAllReduce._reduce_slice
 
     def stuck(self, *args):
-        reducing.set()
+        reducing.append(self)
         release.wait(10)
         return reduce_slice(self, *args)
 
@@ -281,7 +281,9 @@ def test_a_reduction_still_running_after_an_abort_keeps_the_runner_unsettled(mon
     async def main():
         servers, runners = await _members(2, get_codec("none"), _vectors(2), [1.0, 1.0], os.urandom(20))
         runs = [asyncio.ensure_future(r.run(2.0, 10.0)) for r in runners]
-        while not reducing.is_set():
+        for _ in range(500):  # both reducing (waiting for one only: the other could still be receiving, and the
+            if len(reducing) == 2:  # abort then ended its run before it reduced anything: settled at once)
+                break
             await asyncio.sleep(0.01)
         runners[0].abort("the test aborts member 0")
         await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 20)

@@ -36,3 +36,23 @@ def test_the_outer_step_matters_and_momentum_is_applied():
 
 def test_parse_outer():
     assert parse_outer("0.7:0.9") == (0.7, 0.9) and parse_outer("1.0") == (1.0, 0.0)
+
+
+def test_the_simulator_sends_through_the_codec():
+    # fp32 "none" changes nothing; int4 changes the trajectory, a little; topk (error feedback) much more
+    from p2p_diloco.outer.codecs import get_codec
+
+    cfg = load_config(None, MICRO)
+    plain = simulate(cfg, peers=2, steps=4, h=2, lr=1.0, momentum=0.0)
+    assert simulate(cfg, peers=2, steps=4, h=2, lr=1.0, momentum=0.0, codec=get_codec("none")) == plain
+    int4 = simulate(cfg, peers=2, steps=4, h=2, lr=1.0, momentum=0.0, codec=get_codec("int4"))
+    topk = simulate(cfg, peers=2, steps=4, h=2, lr=1.0, momentum=0.0, codec=get_codec("topk"))
+    assert int4[1] != plain[1] and int4 == pytest.approx(plain, abs=0.05)
+    assert abs(topk[-1] - plain[-1]) > abs(int4[-1] - plain[-1])
+
+
+def test_the_quick_run_has_the_h5_int4_arm():
+    from benchmarks.convergence import swarm_arms
+
+    arms = {name: (h, extra) for name, h, extra in swarm_arms(20, 100, paper=False)}
+    assert arms["diloco-h5-int4"] == (5, ["outer.compression=int4"])
