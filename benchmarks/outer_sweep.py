@@ -80,6 +80,57 @@ def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: f
     return curve
 
 
+def simulate_overlap(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: float,
+                     data_seed: int = DATA_SEED, start: str = "own") -> list[float]:
+    """:func:`simulate` with ``outer.overlap``'s schedule (peer/overlap.py): round r's average lands one round late,
+    and each worker starts round r + 1 from its own estimate of theta(r + 1) (``start``): ``own`` = the outer step
+    from theta(r) with its own pseudo-gradient as the average (what a peer does today); ``eager`` = with its own
+    pseudo-gradient weighted 1/N and the last landed average (N - 1)/N (Kale et al.'s eager update,
+    https://arxiv.org/abs/2502.12996, the others' stale pseudo-gradients standing in for their fresh ones);
+    ``stale`` = theta(r) itself. Returns the eval loss of theta after each landing (theta(R) last)."""
+    tok = build_tokenizer(cfg.tokenizer)
+    model = build_model(cfg.model, vocab_size(tok), cfg.run.seed)
+    evals = eval_batches(tok, cfg.data, cfg.eval.batches)
+    theta = outer.snapshot(model.parameters())
+    opt = outer.OuterOptimizer(theta, lr, momentum, nesterov=momentum > 0)
+    workers = []
+    for i in range(peers):
+        replica = copy.deepcopy(model)
+        stream = PackedStream(tok, cfg.data, data_seed + i)
+        workers.append((replica, stream, InnerTrainer(replica, cfg.train, stream.next_batch, steps, CPU),
+                        [t.clone() for t in theta]))  # the worker's start of this round
+    pending, landed = None, [torch.zeros_like(t) for t in theta]
+    curve = [evaluate(model, evals, CPU)]
+    for rnd in range(steps // h):
+        parts = []
+        for replica, _, trainer, begin in workers:
+            outer.load_into(replica.parameters(), begin)
+            for k in range(h):
+                trainer.step(rnd * h + k)
+            part = [torch.zeros_like(t) for t in theta]
+            outer.pseudo_gradient(begin, replica.parameters(), part)
+            parts.append(part)
+        if pending is not None:  # round r - 1's average lands: theta(r)
+            opt.step(pending)
+            landed = pending
+            outer.load_into(model.parameters(), theta)
+            curve.append(evaluate(model, evals, CPU))
+        pending = [sum(ps) / peers for ps in zip(*parts)]
+        for (_, _, _, begin), part in zip(workers, parts):
+            if start == "stale":
+                for b, t in zip(begin, theta):
+                    b.copy_(t)
+                continue
+            guess = part if start == "own" else [p / peers + a * (peers - 1) / peers for p, a in zip(part, landed)]
+            opt.lookahead(guess, begin)
+    opt.step(pending)
+    outer.load_into(model.parameters(), theta)
+    curve.append(evaluate(model, evals, CPU))
+    for _, stream, _, _ in workers:
+        stream.close()
+    return curve
+
+
 def _encoded(codec: Codec, feedback: ErrorFeedback | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """What a receiver decodes of ``tensors`` (with ``feedback``: of tensors + the error, which it then keeps)."""
     if feedback is not None:
@@ -103,7 +154,10 @@ def main() -> int:
     ap.add_argument("--outer", type=parse_outer, nargs="+", default=[(0.7, 0.9), (1.0, 0.0)], metavar="LR:M")
     ap.add_argument("--data-seed", type=int, default=DATA_SEED, help="worker i reads data order S + i")
     ap.add_argument("--ref", action="store_true", help="also the single-worker and data-parallel arms")
-    ap.add_argument("--codecs", nargs="+", default=["none"], help="outer.compression of each arm")
+    ap.add_argument("--overlap", nargs="+", default=[], choices=("own", "eager", "stale"),
+                    help="also outer.overlap's schedule, with each of these starts (simulate_overlap)")
+    ap.add_argument("--codecs", nargs="*", default=["none"],
+                    help="outer.compression of each blocking arm (none given: no blocking arm)")
     ap.add_argument("--density", type=float, default=1 / 64, help="topk's density")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 4, 8), help="topk's value bits")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -126,6 +180,11 @@ def main() -> int:
             curve = simulate(cfg, args.peers, args.steps, h, lr, m, args.data_seed, codec)
             print(f"sweep h={h} outer={lr}:{m} codec={name} final={curve[-1]:.4f} wall={time.monotonic() - t0:.0f}s "
                   f"curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
+        for (lr, m), mode in [(o, x) for o in args.outer for x in args.overlap]:
+            t0 = time.monotonic()
+            curve = simulate_overlap(cfg, args.peers, args.steps, h, lr, m, args.data_seed, mode)
+            print(f"sweep h={h} outer={lr}:{m} overlap={mode} final={curve[-1]:.4f} "
+                  f"wall={time.monotonic() - t0:.0f}s curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
     return 0
 
 

@@ -56,3 +56,17 @@ def test_the_quick_run_has_the_h5_int4_arm():
 
     arms = {name: (h, extra) for name, h, extra in swarm_arms(20, 100, paper=False)}
     assert arms["diloco-h5-int4"] == (5, ["outer.compression=int4"])
+
+
+def test_overlap_with_one_worker_and_fedavg_is_plain_training():
+    # N = 1, outer lr 1, no momentum: the look-ahead of theta(r) with the worker's own pseudo-gradient is the
+    # worker's own weights, so it trains on uninterrupted, and theta(R), landed last, is where it ended
+    from benchmarks.outer_sweep import simulate_overlap
+
+    cfg = load_config(None, MICRO)
+    single = local_arm("single", cfg, 1, 6, eval_every=2)
+    for start in ("own", "eager"):
+        curve = simulate_overlap(cfg, peers=1, steps=6, h=2, lr=1.0, momentum=0.0, start=start)
+        assert len(curve) == 4 and curve[-1] == pytest.approx(single.curve[-1][1], rel=0, abs=1e-5)
+    stale = simulate_overlap(cfg, peers=1, steps=6, h=2, lr=1.0, momentum=0.0, start="stale")
+    assert stale[-1] != pytest.approx(single.curve[-1][1], rel=0, abs=1e-5)  # restarting from theta(r) loses a round
