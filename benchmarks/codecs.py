@@ -14,8 +14,8 @@ Method:
    ``--curve`` it also prints every run's eval loss after each round (read from a peer's ``events.jsonl``; all
    peers hold the same global weights), to see whether a gap between runs opens or closes over a longer run.
 
-Usage: ``python -m benchmarks.codecs [--rounds 3] [--skip-swarm] [--runs none none+overlap] [--curve]``. Takes
-~1 min per codec on 2 cores at 5 rounds.
+Usage: ``python -m benchmarks.codecs [--rounds 3] [--skip-swarm] [--runs none none+overlap] [--curve]
+[--set K=V]`` (``--set``: for every swarm run). Takes ~1 min per codec on 2 cores at 5 rounds.
 """
 
 from __future__ import annotations
@@ -76,15 +76,15 @@ def eval_curve(log_dir: Path) -> dict[int, float]:
     return {}
 
 
-def _swarm_run(tmp: Path, codec: str, overlap: bool, rounds: int) -> str:
-    """One ``p2p-diloco swarm --peers 3`` run; the table row (or FAILED)."""
+def _swarm_run(tmp: Path, codec: str, overlap: bool, rounds: int, sets: list[str] = ()) -> str:
+    """One ``p2p-diloco swarm --peers 3`` run (``sets``: more ``--set`` items); the table row (or FAILED)."""
     name = f"{codec}{'+overlap' if overlap else ''}"
     summary = tmp / f"{name}.json"
     cmd = ["--peers", "3", "--max-rounds", str(rounds), "--run-id", f"codec-{codec}-{int(overlap)}",
            "--data-seed", "1", "--set", f"outer.compression={codec}",
            "--set", f"train.total_steps={rounds * Config().train.inner_steps}",  # cosine decay over the run
            "--set", f"outer.overlap={str(overlap).lower()}", "--summary-json", str(summary),
-           "--log-dir", str(tmp / name)]
+           "--log-dir", str(tmp / name), *[a for item in sets for a in ("--set", item)]]
     t0 = time.monotonic()
     rc = run_swarm(cmd, tmp / f"{name}.log", timeout=900)
     wall = time.monotonic() - t0
@@ -102,14 +102,14 @@ def _swarm_run(tmp: Path, codec: str, overlap: bool, rounds: int) -> str:
 RUNS = [*CODECS, "none+overlap", "int8+overlap"]
 
 
-def swarm_table(rounds: int, runs: list[str], curve: bool) -> None:
+def swarm_table(rounds: int, runs: list[str], curve: bool, sets: list[str] = ()) -> None:
     print(f"\n3-peer swarm, {rounds} rounds per run, data seeds 1-3 (default config otherwise)")
     print(f"{'run':<13} {'eval first':>10} {'eval last':>10} {'MB sent/peer':>13} {'wall s':>7} {'digests agree':>14}")
     curves = {}
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-codecs-") as tmp:
         for run in runs:
             codec, _, mode = run.partition("+")
-            print(_swarm_run(Path(tmp), codec, mode == "overlap", rounds), flush=True)
+            print(_swarm_run(Path(tmp), codec, mode == "overlap", rounds, sets), flush=True)
             curves[run] = eval_curve(Path(tmp) / run)
     if curve:
         print("\neval loss after each round (global weights)")
@@ -124,10 +124,12 @@ def main() -> None:
     ap.add_argument("--skip-swarm", action="store_true", help="only the reconstruction table")
     ap.add_argument("--runs", nargs="+", default=RUNS, choices=RUNS, help="swarm runs, in order")
     ap.add_argument("--curve", action="store_true", help="also print each run's eval loss after every round")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="config override for every swarm run")
     args = ap.parse_args()
     reconstruction_table()
     if not args.skip_swarm:
-        swarm_table(args.rounds, args.runs, args.curve)
+        swarm_table(args.rounds, args.runs, args.curve, args.sets)
 
 
 if __name__ == "__main__":
