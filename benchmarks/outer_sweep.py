@@ -41,10 +41,9 @@ from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
 CPU = torch.device("cpu")
 
 
-def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: float,
-             data_seed: int = DATA_SEED, codec: Codec | None = None) -> list[float]:
-    """T/H rounds of DiLoCo with N simulated workers; returns the eval loss of theta after every round (and at 0).
-    ``codec``: every pseudo-gradient and the mean go through it (module docstring)."""
+def _setup(cfg: Config, peers: int, steps: int, lr: float, momentum: float, data_seed: int):
+    """The model (it holds theta for evaluation), the eval batches, theta, the outer optimizer, and N workers as
+    (replica, data stream, inner trainer), worker i reading data order ``data_seed + i``."""
     tok = build_tokenizer(cfg.tokenizer)
     model = build_model(cfg.model, vocab_size(tok), cfg.run.seed)
     evals = eval_batches(tok, cfg.data, cfg.eval.batches)
@@ -55,6 +54,14 @@ def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: f
         replica = copy.deepcopy(model)
         stream = PackedStream(tok, cfg.data, data_seed + i)
         workers.append((replica, stream, InnerTrainer(replica, cfg.train, stream.next_batch, steps, CPU)))
+    return model, evals, theta, opt, workers
+
+
+def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: float,
+             data_seed: int = DATA_SEED, codec: Codec | None = None) -> list[float]:
+    """T/H rounds of DiLoCo with N simulated workers; returns the eval loss of theta after every round (and at 0).
+    ``codec``: every pseudo-gradient and the mean go through it (module docstring)."""
+    model, evals, theta, opt, workers = _setup(cfg, peers, steps, lr, momentum, data_seed)
     delta = [torch.zeros_like(t) for t in theta]
     part = [torch.zeros_like(t) for t in theta]
     feedback = [ErrorFeedback(codec, theta) if codec is not None and codec.align > 1 else None for _ in workers]
@@ -88,22 +95,13 @@ def simulate_overlap(cfg: Config, peers: int, steps: int, h: int, lr: float, mom
     pseudo-gradient weighted 1/N and the last landed average (N - 1)/N (Kale et al.'s eager update,
     https://arxiv.org/abs/2502.12996, the others' stale pseudo-gradients standing in for their fresh ones);
     ``stale`` = theta(r) itself. Returns the eval loss of theta after each landing (theta(R) last)."""
-    tok = build_tokenizer(cfg.tokenizer)
-    model = build_model(cfg.model, vocab_size(tok), cfg.run.seed)
-    evals = eval_batches(tok, cfg.data, cfg.eval.batches)
-    theta = outer.snapshot(model.parameters())
-    opt = outer.OuterOptimizer(theta, lr, momentum, nesterov=momentum > 0)
-    workers = []
-    for i in range(peers):
-        replica = copy.deepcopy(model)
-        stream = PackedStream(tok, cfg.data, data_seed + i)
-        workers.append((replica, stream, InnerTrainer(replica, cfg.train, stream.next_batch, steps, CPU),
-                        [t.clone() for t in theta]))  # the worker's start of this round
+    model, evals, theta, opt, workers = _setup(cfg, peers, steps, lr, momentum, data_seed)
+    begins = [[t.clone() for t in theta] for _ in workers]  # each worker's start of this round
     pending, landed = None, [torch.zeros_like(t) for t in theta]
     curve = [evaluate(model, evals, CPU)]
     for rnd in range(steps // h):
         parts = []
-        for replica, _, trainer, begin in workers:
+        for (replica, _, trainer), begin in zip(workers, begins):
             outer.load_into(replica.parameters(), begin)
             for k in range(h):
                 trainer.step(rnd * h + k)
@@ -116,7 +114,7 @@ def simulate_overlap(cfg: Config, peers: int, steps: int, h: int, lr: float, mom
             outer.load_into(model.parameters(), theta)
             curve.append(evaluate(model, evals, CPU))
         pending = [sum(ps) / peers for ps in zip(*parts)]
-        for (_, _, _, begin), part in zip(workers, parts):
+        for begin, part in zip(begins, parts):
             if start == "stale":
                 for b, t in zip(begin, theta):
                     b.copy_(t)
@@ -126,7 +124,7 @@ def simulate_overlap(cfg: Config, peers: int, steps: int, h: int, lr: float, mom
     opt.step(pending)
     outer.load_into(model.parameters(), theta)
     curve.append(evaluate(model, evals, CPU))
-    for _, stream, _, _ in workers:
+    for _, stream, _ in workers:
         stream.close()
     return curve
 
