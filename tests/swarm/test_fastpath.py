@@ -285,6 +285,7 @@ def test_a_reduction_still_running_after_an_abort_keeps_the_runner_unsettled(mon
             if len(reducing) == 2:  # abort then ended its run before it reduced anything: settled at once)
                 break
             await asyncio.sleep(0.01)
+        assert len(reducing) == 2, f"{len(reducing)} of 2 reducers reached their reduction in 5 s"
         runners[0].abort("the test aborts member 0")
         await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 20)
         before = [r.settled for r in runners]
