@@ -32,6 +32,7 @@ from benchmarks.convergence import DATA_SEED, local_arm
 from p2p_diloco.outer import optimizer as outer
 from p2p_diloco.outer.codecs import Codec, get_codec
 from p2p_diloco.outer.error_feedback import ErrorFeedback
+from p2p_diloco.outer.fragments import mix_into, partition
 from p2p_diloco.config import Config, load_config
 from p2p_diloco.training.data import PackedStream, eval_batches
 from p2p_diloco.training.inner import InnerTrainer, evaluate
@@ -129,6 +130,43 @@ def simulate_overlap(cfg: Config, peers: int, steps: int, h: int, lr: float, mom
     return curve
 
 
+def simulate_streaming(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: float,
+                       data_seed: int = DATA_SEED, fragments: int = 2, alpha: float = 0.5,
+                       delay: int = 0) -> list[float]:
+    """Streaming DiLoCo (https://arxiv.org/abs/2501.18512) with ``fragments`` = F: every H/F inner steps one
+    fragment (:func:`~p2p_diloco.outer.fragments.partition`, in turn) is averaged and outer-stepped, so each
+    fragment is synced every H steps; its new theta lands ``delay`` inner steps later (the sync hidden behind them)
+    as ``local = alpha * local + (1 - alpha) * theta``. Returns the eval loss of theta every H steps (and at 0)."""
+    if h % fragments or not 0 <= delay <= h // fragments:
+        raise ValueError(f"H = {h} needs a multiple of F = {fragments} and 0 <= delay <= H/F")
+    model, evals, theta, opt, workers = _setup(cfg, peers, steps, lr, momentum, data_seed)
+    runs, every = partition(theta, fragments), h // fragments
+    landing: dict[int, list[int]] = {}  # inner step -> fragments whose new theta lands after it
+    curve = [evaluate(model, evals, CPU)]
+    for t in range(1, steps + 1):
+        for _, _, trainer in workers:
+            trainer.step(t - 1)
+        if t % every == 0:
+            run = runs[(t // every - 1) % fragments]
+            mine = [theta[i] for i in run]
+            delta = [torch.zeros_like(x) for x in mine]
+            for replica, _, _ in workers:
+                local = list(replica.parameters())
+                for d, x, i in zip(delta, mine, run):
+                    d.add_(x - local[i].detach())
+            opt.step_on(mine, [opt.momentum_buffers[i] for i in run], [d / peers for d in delta])
+            landing.setdefault(t + delay, []).extend(run)
+        for i in landing.pop(t, []):
+            for replica, _, _ in workers:
+                mix_into([list(replica.parameters())[i]], [theta[i]], alpha)
+        if t % h == 0:
+            outer.load_into(model.parameters(), theta)
+            curve.append(evaluate(model, evals, CPU))
+    for _, stream, _ in workers:
+        stream.close()
+    return curve
+
+
 def _encoded(codec: Codec, feedback: ErrorFeedback | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """What a receiver decodes of ``tensors`` (with ``feedback``: of tensors + the error, which it then keeps)."""
     if feedback is not None:
@@ -158,6 +196,8 @@ def main() -> int:
                     help="outer.compression of each blocking arm (none given: no blocking arm)")
     ap.add_argument("--density", type=float, default=1 / 64, help="topk's density")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 4, 8), help="topk's value bits")
+    ap.add_argument("--streaming", nargs="+", default=[], metavar="F:ALPHA:DELAY",
+                    help="also Streaming DiLoCo with F fragments, merge factor alpha, delay in inner steps")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = ap.parse_args()
     cfg = load_config(None, args.sets)
@@ -182,6 +222,12 @@ def main() -> int:
             t0 = time.monotonic()
             curve = simulate_overlap(cfg, args.peers, args.steps, h, lr, m, args.data_seed, mode)
             print(f"sweep h={h} outer={lr}:{m} overlap={mode} final={curve[-1]:.4f} "
+                  f"wall={time.monotonic() - t0:.0f}s curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
+        for (lr, m), spec in [(o, x) for o in args.outer for x in args.streaming]:
+            t0 = time.monotonic()
+            f, a, d = spec.split(":")
+            curve = simulate_streaming(cfg, args.peers, args.steps, h, lr, m, args.data_seed, int(f), float(a), int(d))
+            print(f"sweep h={h} outer={lr}:{m} streaming={spec} final={curve[-1]:.4f} "
                   f"wall={time.monotonic() - t0:.0f}s curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
     return 0
 

@@ -130,6 +130,8 @@ def spawn(net: Net, index: int, args: argparse.Namespace, sets: list[str], log_d
            "--summary-json", str(log_dir / f"peer{index}.json"), *MODEL, *FAST, *sets]
     if initial:
         cmd += ["--initial-peers", *initial]
+    if getattr(args, "data_seed", None) is not None:  # fixed data orders (overlap.py compares losses across runs)
+        cmd += ["--data-seed", str(args.data_seed + index)]
     return PeerProcess(cmd, prefix=["ip", "netns", "exec", net.ns[index]], env={"P2P_DILOCO_INITIAL_PEERS": None},
                        cwd=REPO, stderr=log_dir / f"peer{index}.stderr.log")
 
@@ -284,6 +286,30 @@ def report(args: argparse.Namespace, rows: list[dict]) -> int:
     return 1 if failed or held == "NO" else 0
 
 
+def in_namespaces(rate: str, body, name: str) -> int:
+    """Set up the two namespaces, run ``body(net)``, and remove them and every process in them whatever happens
+    (Ctrl-C and SIGTERM included). Returns 0, 130 if interrupted, 1 if the network set-up failed."""
+    net = Net(rate)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: it may start ignored (nohup, &)
+        signal.signal(sig, _raise_interrupt)
+    try:
+        net.setup()
+        body(net)
+    except KeyboardInterrupt as e:
+        print(f"interrupted ({e or 'SIGINT'}): cleaning up", file=sys.stderr, flush=True)
+        return 130
+    except RuntimeError as e:  # the network set-up failed
+        print(f"{name}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # a second signal must not skip the cleanup
+        net.teardown()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _raise_interrupt)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
@@ -292,28 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="p2p-diloco-util-"))
     print(f"{len(args.codecs) * len(args.modes)} runs: codecs {','.join(args.codecs)} x {','.join(args.modes)}; "
           f"{args.rounds} rounds of H={args.inner_steps}; link {args.rate}; logs in {root}", flush=True)
-    net, rows = Net(args.rate), []
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGINT too: it may start ignored (nohup, &)
-        signal.signal(sig, _raise_interrupt)
-    try:
-        net.setup()
+    rows: list[dict] = []
+
+    def body(net: Net) -> None:
         print(HEADER, flush=True)
         for codec in args.codecs:
             for mode in args.modes:
                 rows.append(run_row(net, args, codec, mode, root))
                 print(format_row(rows[-1]), flush=True)
-    except KeyboardInterrupt as e:
-        print(f"interrupted ({e or 'SIGINT'}): cleaning up", file=sys.stderr, flush=True)
-        return 130
-    except RuntimeError as e:  # the network set-up failed
-        print(f"utilization.py: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, signal.SIG_IGN)  # a second signal must not skip the cleanup
-        net.teardown()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _raise_interrupt)
+
+    rc = in_namespaces(args.rate, body, "utilization.py")
+    if rc:
+        return rc
     return report(args, rows)
 
 

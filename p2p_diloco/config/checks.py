@@ -113,11 +113,29 @@ def check_modes(cfg: Config) -> None:
     if cfg.outer.sharding == "sharded" and cfg.outer.overlap:
         raise ConfigError("outer.sharding = sharded does not work with outer.overlap (the shards' all-reduce is a "
                           "collective of the local ranks: it cannot run behind their inner steps)")
+    check_fragments(cfg)
     if cfg.round.target_tokens < 0 or cfg.round.progress_period <= 0:
         raise ConfigError("round.target_tokens must be >= 0 and round.progress_period > 0")
     if cfg.round.mode == "swarm_target" and cfg.outer.overlap:
         raise ConfigError("round.mode = swarm_target does not work with outer.overlap (the progress records would "
                           "mix the round in training with the one being averaged)")
+
+
+def check_fragments(cfg: Config) -> None:
+    """``outer.fragments``: a fragment's sync steps its part of the whole theta kept in one process (``rank0``),
+    and topk's error feedback would have to be kept per fragment (not built)."""
+    o = cfg.outer
+    if o.fragments < 1:
+        raise ConfigError(f"outer.fragments must be >= 1, got {o.fragments}")
+    if not 0.0 <= o.fragment_alpha < 1.0:
+        raise ConfigError(f"outer.fragment_alpha must be in [0, 1), got {o.fragment_alpha}")
+    if o.fragments == 1:
+        return
+    if o.sharding != "rank0":
+        raise ConfigError("outer.fragments > 1 needs outer.sharding = rank0 (a fragment is a part of the whole theta)")
+    if o.compression == "topk":
+        raise ConfigError("outer.fragments > 1 does not work with outer.compression = topk yet (its error feedback "
+                          "would have to be kept per fragment): use int8 or int4")
 
 
 def check_codec(cfg: Config) -> None:

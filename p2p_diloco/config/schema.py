@@ -34,7 +34,7 @@ SHARDED_ONLY = frozenset({"outer.sharding", "outer.shards"})
 # Settings added after runs were made: fingerprinted only when not at their default, so a run (and its checkpoints)
 # made before they existed keeps its fingerprint, while peers that set them differently still cannot average.
 OMITTED_AT_DEFAULT = frozenset({"outer.aggregation", "outer.norm_bound", "outer.trim", "train.total_steps",
-                                "outer.topk_density", "outer.topk_bits"})
+                                "outer.topk_density", "outer.topk_bits", "outer.fragments", "outer.fragment_alpha"})
 # Single settings of the other sections that every peer of a run must share: the seed of theta(0), the round mode,
 # and the horizon of the inner lr schedule (so that every peer trains a round with the same lr, whatever its
 # --max-rounds, and a run stopped and resumed with a larger --max-rounds continues exactly).
@@ -131,6 +131,11 @@ class OuterConfig:
     topk_density: float = 1 / 64
     topk_bits: int = 2
     overlap: bool = False  # average round r in the background while training round r+1 (outer step one round late)
+    # Streaming DiLoCo (p2p_diloco/outer/fragments.py): a round syncs 1 of `fragments` parts of the parameters, in
+    # turn, so each part is synced every `fragments` rounds; its new theta is merged into the weights that kept
+    # training as alpha * local + (1 - alpha) * theta. 1 = off (every round syncs the whole model).
+    fragments: int = 1
+    fragment_alpha: float = 0.5
     # where theta and the outer momentum live (p2p_diloco/outer/shards.py): "rank0" = whole, on one process (rank 0 of a
     # torchrun peer); "sharded" = cut into `shards` logical shards, each rank keeping its own, one averager each
     sharding: Sharding = "rank0"

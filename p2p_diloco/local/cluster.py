@@ -169,6 +169,9 @@ def check(cfg: Config, world: int) -> None:
                           f"ranks ({world})")
     if cfg.outer.sharding == "sharded" and cfg.outer.shards < world:
         raise ConfigError(f"outer.shards ({cfg.outer.shards}) must be at least the number of local ranks ({world})")
+    if cfg.outer.fragments > 1:  # every rank would have to merge the synced fragment into its part of the model
+        raise ConfigError("outer.fragments > 1 does not work under torchrun with several ranks yet: run the peer as "
+                          "one process")
     if cfg.outer.sharding == "sharded" and cfg.swarm.allowed_peers:
         # every rank of a sharded peer averages under its own per-run identity, which no allowlist can name yet
         raise ConfigError("swarm.allowed_peers does not work with outer.sharding = sharded on several ranks yet")

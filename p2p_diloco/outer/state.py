@@ -15,6 +15,7 @@ state, theta *and* the momentum: it is what certificates sign and what every dow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from abc import ABC, abstractmethod
@@ -119,6 +120,11 @@ class GlobalState(ABC):
     def load_into(self, replica: Any, source: Tensors | None = None) -> None:
         """Copy theta (or ``source``, in the layout of :meth:`new_buffer`) into the local model."""
 
+    def theta_in_model(self, replica: Any) -> contextlib.AbstractContextManager:
+        """A context in which the local model holds theta (to evaluate theta): it already does at a round boundary,
+        except with ``outer.fragments`` (:class:`~p2p_diloco.outer.fragment_state.FragmentState`)."""
+        return contextlib.nullcontext()
+
     @abstractmethod
     def fetch(self, swarm: Any, donor: str, plan: Download, read_view: Callable[[], View], fingerprint: str,
               trust: Callable[[Certificate], str | None]) -> str | None:
@@ -193,10 +199,14 @@ class WholeState(GlobalState):
                 self._aside = [torch.empty_like(t) for t in ours]
             for dst, src in zip(self._aside, ours):
                 dst.copy_(src)
-        n = len(self.theta)
-        self.optimizer.step_on(self._aside[:n], self._aside[n:], average)
+        self._step_aside(self._aside, average)
         self._prepared = True
         return opt.digest(self._aside)
+
+    def _step_aside(self, aside: Tensors, average: Tensors) -> None:
+        """The outer step on ``aside`` (a copy of theta, then of the momentum) with the swarm's ``average``."""
+        n = len(self.theta)
+        self.optimizer.step_on(aside[:n], aside[n:], average)
 
     def commit(self, certificate: Certificate) -> None:
         if not self._prepared or self._aside is None:

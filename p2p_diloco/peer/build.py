@@ -15,6 +15,8 @@ import torch
 
 from ..config import Config
 from ..metrics import Metrics
+from ..errors import ConfigError
+from ..outer.fragment_state import FragmentState
 from ..outer.state import GlobalState, WholeState
 from ..runtime.clock import Clock, RealClock
 from ..swarm.port import SwarmFactory
@@ -34,6 +36,14 @@ def build_state(cfg: Config, cluster, params) -> GlobalState:
 
         return ShardedState(cfg, cluster, params)
     o = cfg.outer
+    if o.fragments > 1:
+        if cluster is not None:  # (local/cluster.py's check refuses it on every rank before this)
+            raise ConfigError("outer.fragments > 1 does not work under torchrun with several ranks yet")
+        try:
+            return FragmentState(params, o.lr, o.momentum, o.nesterov, cfg.fingerprint(), o.fragments,
+                                 o.fragment_alpha)
+        except ValueError as e:  # more fragments than parameter tensors
+            raise ConfigError(str(e)) from None
     return WholeState(params, o.lr, o.momentum, o.nesterov, cfg.fingerprint())
 
 

@@ -50,12 +50,13 @@ class OverlapLoop:
 
     def __init__(self, ctx: PeerContext, rounds: Rounds, state_sync: StateSync):
         self.ctx, self.rounds, self.state_sync = ctx, rounds, state_sync
+        self.start: list | None = None  # where the round in training started: theta(base) or a look-ahead of it
+        self.base = 0  # the theta round that ``start`` was computed from
 
     def run(self) -> None:
         """Train and sync until ``max_rounds`` or a stop request, each sync hidden behind the next round."""
-        ctx, state, replica = self.ctx, self.ctx.state, self.rounds.training.replica
-        start = state.snapshot()  # theta(state.round), already in the model (the join's boundary)
-        base = state.round  # the theta round that ``start`` was computed from
+        ctx, state = self.ctx, self.ctx.state
+        self._begin()
         pending: Task | None = None
         pending_r = -1  # the round being synced in the background (state.round changes when it lands there)
         try:
@@ -71,28 +72,37 @@ class OverlapLoop:
                 tokens, steps = self.rounds.inner.train(r)
                 if ctx.stop.is_set():
                     break
-                buffer = state.new_buffer()
-                state.pseudo_gradient(replica, buffer, start=start)
-                if pending is not None:
-                    self._land(pending)
-                    pending = None
-                if not 0 <= state.round - base <= 1:  # a pseudo-gradient from theta(base) may go into round base+1
-                    log.info("round %d: dropping inner steps that started from theta(%d), now %d rounds stale",
-                             r + 1, base, state.round - base)
-                    start, base = state.snapshot(), state.round
-                    continue
-                r, base = state.round, state.round
-                state.lookahead(buffer, start)  # before the background task may step theta
-                # (bound now: the loop rebinds these names before the task runs)
-                pending = ctx.clock.spawn(functools.partial(self._background_round, r, buffer, tokens, steps), "sync")
-                pending_r = r
-                state.load_into(replica, start)
+                pending, pending_r = self._next(r, pending, tokens, steps)
         except BaseException:
             ctx.stop.set()  # the background task must not go on averaging for a peer that is going down
             raise
         finally:
             if pending is not None:  # a stop request reaches the background task within a poll period
                 self._land(pending, stopping=ctx.stop.is_set())
+
+    def _begin(self) -> None:
+        self.start, self.base = self.ctx.state.snapshot(), self.ctx.state.round  # in the model (the join's boundary)
+
+    def _next(self, r: int, pending: Task | None, tokens: int, steps: int) -> tuple[Task | None, int]:
+        """The end of the inner steps meant for round ``r``: land the sync in flight, start this round's in the
+        background, and load the next round's start into the model. Returns the new sync in flight and its round
+        (None, -1: none, the round's steps were dropped)."""
+        ctx, state, replica = self.ctx, self.ctx.state, self.rounds.training.replica
+        buffer = state.new_buffer()
+        state.pseudo_gradient(replica, buffer, start=self.start)
+        if pending is not None:
+            self._land(pending)
+        if not 0 <= state.round - self.base <= 1:  # a pseudo-gradient from theta(base) may go into round base+1
+            log.info("round %d: dropping inner steps that started from theta(%d), now %d rounds stale",
+                     r + 1, self.base, state.round - self.base)
+            self.start, self.base = state.snapshot(), state.round
+            return None, -1
+        r, self.base = state.round, state.round
+        state.lookahead(buffer, self.start)  # before the background task may step theta
+        # (bound now: the caller rebinds its names before the task runs)
+        task = ctx.clock.spawn(functools.partial(self._background_round, r, buffer, tokens, steps), "sync")
+        state.load_into(replica, self.start)
+        return task, r
 
     def _enter(self) -> tuple[Task | None, int]:
         """Start training with no sync in flight (first round, after a join or a lost round)."""
@@ -125,14 +135,15 @@ class OverlapLoop:
         ctx.announce(Phase.TRAIN)
         ctx.swarm.set_donor_round(ctx.state.round)
 
-    def _land(self, pending: Task, stopping: bool = False) -> None:
+    def _land(self, pending: Task, stopping: bool = False) -> bool:
         """Wait for the sync in flight; then theta (stepped, downloaded or unchanged) goes into the model, is
-        announced and checkpointed (the round boundary)."""
+        announced and checkpointed (the round boundary). True if the sync was ours and stepped theta."""
         if not pending.done():
             self.ctx.status(f"round {self.ctx.state.round + 1}: waiting for the all-reduce running in the background")
-        pending.result()
+        stepped = bool(pending.result())
         if stopping:
             self.ctx.state.load_into(self.rounds.training.replica)
             self.rounds.inner.stepped = False  # the peer saves this point
         else:
             self.rounds.boundary()
+        return stepped

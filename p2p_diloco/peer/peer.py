@@ -35,6 +35,7 @@ from .checkpoints import Checkpointer
 from .context import PeerContext, PeerStats
 from .inner_loop import InnerLoop
 from .overlap import OverlapLoop
+from .streaming import StreamingLoop
 from .rounds import Rounds
 from .state_sync import StateSync
 from .syncer import Syncer
@@ -76,7 +77,8 @@ class Peer:
                          if ctx.cfg.outer.compression == "topk" else None)
         self.checkpoints = Checkpointer(ctx, training, self.stats, cluster, self.feedback)
         self.rounds = Rounds(ctx, training, self.inner, self.syncer, self.checkpoints, self.stats, self.feedback)
-        self.overlap = OverlapLoop(ctx, self.rounds, self.state_sync) if ctx.cfg.outer.overlap else None
+        loop = StreamingLoop if ctx.cfg.outer.fragments > 1 else OverlapLoop
+        self.overlap = loop(ctx, self.rounds, self.state_sync) if ctx.cfg.outer.overlap else None
 
     def run(self) -> dict[str, Any]:
         """Join the swarm, train until ``max_rounds`` (or a stop request), and return the summary."""

@@ -89,7 +89,8 @@ class Rounds:
             self.evaluate()
 
     def evaluate(self) -> None:
-        loss = self.training.evaluate()
+        with self.ctx.state.theta_in_model(self.training.replica):  # (outer.fragments: the model holds local weights)
+            loss = self.training.evaluate()
         self.stats.eval_first = loss if self.stats.eval_first is None else self.stats.eval_first
         self.stats.eval_last = loss
         self.ctx.swarm.update(eval_loss=loss)

@@ -64,6 +64,8 @@ class Averagers:
         visible_maddrs: this DHT's addresses (the data plane listens on the same host).
         allowed: ``swarm.allowed_peers`` resolved (None: an open swarm).
         identity: our identity (identity.py): signs our data-plane entry (data_auth.py).
+        state_like: ``{key suffix: tensors shaped like theta}`` where a donation is not shaped like that averager's
+            input (``outer.fragments``); by default it is.
     """
 
     shapes: list[list[torch.Size]] | None = None  # per averager, with a chunked codec: its inputs' shapes
@@ -71,7 +73,7 @@ class Averagers:
     def __init__(self, cfg, dht, groups: dict[str, Sequence[torch.Tensor]],
                  state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]],
                  visible_maddrs: Callable[[], list[str]], allowed: frozenset[str] | None = None,
-                 identity: Identity | None = None):
+                 identity: Identity | None = None, state_like: dict[str, Sequence[torch.Tensor]] | None = None):
         self.cfg, self.sc = cfg, cfg.swarm
         self.keys = list(groups)
         self.list: list[ExactAverager] = []
@@ -87,8 +89,9 @@ class Averagers:
         self.shapes = None if codec.align == 1 else []
         for n, key in enumerate(self.keys):
             buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in groups[key]]
-            self.state_sizes.append((2 * sum(b.numel() * b.element_size() for b in buffers), 2 * len(buffers)))
-            state_shapes = [tuple(b.shape) for b in buffers] * 2  # what a donor sends: theta, momentum
+            theta = (state_like or {}).get(key, buffers)
+            self.state_sizes.append((2 * sum(t.numel() * 4 for t in theta), 2 * len(theta)))  # fp32
+            state_shapes = [tuple(t.shape) for t in theta] * 2  # what a donor sends: theta, momentum
             if self.shapes is not None:
                 self.shapes.append([b.shape for b in buffers])
                 buffers = [torch.zeros(sum(b.numel() for b in buffers), dtype=torch.float32)]

@@ -196,4 +196,4 @@ class SwarmPort(Protocol):
         """``(metadata, tensors)`` of a live peer's global state (one shard of it, with ``shard``)."""
 
 
-SwarmFactory = Callable[..., SwarmPort]  # (cfg, tensors_like, state_provider, shards=None) -> SwarmPort
+SwarmFactory = Callable[..., SwarmPort]  # (cfg, tensors_like, state_provider, shards=None, state_like=None)

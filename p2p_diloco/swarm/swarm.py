@@ -88,10 +88,13 @@ class Swarm:
         shards: ``outer.sharding = "sharded"``: the logical shards this process keeps, one averager each.
         rank_of: a follower rank of a torchrun peer (sharded mode): the addresses of its rank 0's DHT. Such a
             swarm only runs a DHT node and the shard averagers: no records, no config check (rank 0 does those).
+        state_like: tensors shaped like theta when the averaged buffer is not (``outer.fragments``: one flat
+            buffer as long as the largest fragment); a donation is theta and the momentum in these shapes.
     """
 
     def __init__(self, cfg: Config, tensors_like: Sequence[torch.Tensor], state_provider: Callable[..., tuple],
-                 shards: Sequence[int] | None = None, rank_of: Sequence[str] | None = None):
+                 shards: Sequence[int] | None = None, rank_of: Sequence[str] | None = None,
+                 state_like: Sequence[torch.Tensor] | None = None):
         self.cfg, self.sc = cfg, cfg.swarm
         self.run_id, self.fingerprint = cfg.run.run_id, cfg.fingerprint()
         if shards is None:
@@ -100,6 +103,7 @@ class Swarm:
             self._groups = {f"s{j}": [t] for j, t in zip(shards, tensors_like, strict=True)}
             self._providers = {f"s{j}": (lambda j=j: state_provider(j)) for j in shards}
         self.shards = list(shards) if shards is not None else None
+        self._state_like = {"": list(state_like)} if state_like is not None else {}
         self.rank_of = list(rank_of) if rank_of is not None else None
         self._dht_lock = threading.Lock()  # hivemind's DHT pipe is not safe for concurrent callers
         self._record: dict[str, Any] = {"fp": self.fingerprint, "round": 0, "phase": Phase.JOIN.value,
@@ -162,7 +166,7 @@ class Swarm:
                 raise SwarmError(f"this peer ({self.peer_id}) is not in swarm.allowed_peers: the others would "
                                  f"refuse it (fix the list, or give --identity-path with a listed key)")
             self.averagers = Averagers(self.cfg, self.dht, self._groups, self._providers, self.visible_maddrs,
-                                       self.allowed, self.identity)
+                                       self.allowed, self.identity, self._state_like)
             self._owned = descendants() - before  # DHT, averager(s), p2pd: what shutdown() stops
             # after the forks: a fork copies no thread, but it could copy a lock the probe thread holds
             self._prober = Prober(self.dht.run_coroutine(hivemind.DHT._get_p2p_daemon_listen_maddr,

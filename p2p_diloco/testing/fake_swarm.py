@@ -90,9 +90,11 @@ class FakeNetwork:
         self.mixed: dict[str, tuple[int, str, int]] = {}  # peer id -> (shard, stranger, groups left)
 
     def factory(self, peer_id: str) -> Callable[..., FakeSwarm]:
-        """A swarm factory (``(cfg, tensors_like, state_provider, shards=None)``) for the peer ``peer_id``."""
+        """A swarm factory (``(cfg, tensors_like, state_provider, shards=None, state_like=None)``) for the peer
+        ``peer_id`` (donations are whatever the provider gives: ``state_like`` is not needed here)."""
         def make(cfg: Config, tensors_like: Sequence[torch.Tensor], provider: Callable[..., tuple],
-                 shards: Sequence[int] | None = None) -> FakeSwarm:
+                 shards: Sequence[int] | None = None, state_like: Sequence[torch.Tensor] | None = None
+                 ) -> FakeSwarm:
             swarm = FakeSwarm(self, peer_id, cfg, provider, shards)
             self.swarms[peer_id] = swarm
             return swarm

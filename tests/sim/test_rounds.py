@@ -115,11 +115,15 @@ def test_overlapped_swarm_is_bit_identical_and_hides_the_sync():
             assert sorted(e["round"] for e in p.of(Event.EVAL)) == [0, 1, 2, 3, 4]
 
 
-def test_overlap_survives_a_joiner_and_a_kill():
+@pytest.mark.parametrize("fragments", [1, 2], ids=["eager", "streaming"])
+def test_overlap_survives_a_joiner_and_a_kill(fragments):
     """Two overlapped peers; a third joins mid-run and averages with them; then one of the first two is killed
-    while its all-reduce runs in the background. The other two finish with one digest and no solo step."""
+    while its all-reduce runs in the background. The other two finish with one digest and no solo step. With
+    fragments (streaming, peer/streaming.py) the joiner trains while it catches up, and its training is merged,
+    not thrown away."""
     rounds = 10
-    with SimSwarm(["outer.overlap=true", "train.inner_steps=50", f"run.max_rounds={rounds}"]) as swarm:
+    sets = ["outer.overlap=true", f"outer.fragments={fragments}", "train.inner_steps=50", f"run.max_rounds={rounds}"]
+    with SimSwarm(sets) as swarm:
         a, b = swarm.add(sets=["swarm.min_peers=2"]), swarm.add(sets=["swarm.min_peers=2"])
         swarm.run_until(lambda: bool([e for e in a.of(Event.OUTER_STEP) if e["round"] >= 2]))
         c = swarm.add()

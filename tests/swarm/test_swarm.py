@@ -131,16 +131,50 @@ def test_a_topk_swarm_is_bit_identical_and_sends_what_the_codec_says(tmp_path, r
     params = count_parameters(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), 0))
     expected = 2 * (3 - 1) / 3 * codec_for(cfg.outer).payload_bytes(params)
     assert expected < params * 4 / 100  # the encoded model is over 100x smaller than fp32
+    _assert_rounds_and_bytes(tmp_path, result, 2, expected)
+    assert not survivors(reap), "processes survived a finished swarm"
+
+
+def test_a_streaming_swarm_is_bit_identical_and_sends_one_fragment_a_round(tmp_path, reap):
+    """outer.fragments = 2 with outer.overlap (Streaming DiLoCo, 3 real peers): one digest per round on every peer,
+    every round committed by the whole group, and each all-reduce moves 2(N-1)/N of the largest fragment in fp32
+    (about half the model), within 10 %."""
+    from p2p_diloco.config import load_config
+    from p2p_diloco.outer.fragments import partition
+    from p2p_diloco.training.model import build_model
+    from p2p_diloco.training.tokenizer import build_tokenizer, vocab_size
+
+    sets = ["outer.fragments=2", "outer.overlap=true"]
+    summary = tmp_path / "summary.json"
+    swarm = Proc(["swarm", "--peers", "3", "--max-rounds", "3", "--inner-steps", "10", "--log-dir",
+                  str(tmp_path / "logs"), "--summary-json", str(summary), "--run-id", "t-fragments", *FAST,
+                  *(a for s in sets for a in ("--set", s))], reap)
+    assert swarm.wait(300) == 0, swarm.stderr_tail() + "".join(swarm.lines[-20:])
+    result = load_json(summary)
+    assert result["all_digests_equal"] is True and len(result["peers"]) == 3
+    cfg = load_config(None, sets)
+    params = list(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), 0).parameters())
+    largest = max(sum(params[i].numel() for i in run) for run in partition(params, 2))
+    assert largest < 0.51 * sum(p.numel() for p in params)
+    expected = 2 * (3 - 1) / 3 * 4 * largest
+    _assert_rounds_and_bytes(tmp_path, result, 3, expected)
+    assert not survivors(reap), "processes survived a finished swarm"
+
+
+def _assert_rounds_and_bytes(tmp_path, result: dict, rounds: int, expected: float) -> None:
+    """Every peer of a 3-peer run did rounds 1..``rounds`` with the whole group, each all-reduce sent and received
+    ``expected`` bytes within 10 %, and every round has one digest on every peer."""
     per_round = {}
     for peer in result["peers"]:
+        assert peer["rounds_completed"] == peer["rounds_participated"] == rounds
         events = read_events(tmp_path / "logs" / peer["peer_id"] / "events.jsonl")
         done = [e for e in events if e["event"] == Event.ALLREDUCE_DONE]
-        assert [e["group_size"] for e in done] == [3, 3]
+        assert [e["group_size"] for e in done] == [3] * rounds
         for e in done:
             for key in ("bytes_sent", "bytes_received"):
                 assert abs(e[key] - expected) < 0.1 * expected, (key, e[key], expected)
         for e in events:
             if e["event"] == Event.OUTER_STEP:
                 per_round.setdefault(e["round"], set()).add(e["digest"])
-    assert sorted(per_round) == [1, 2] and all(len(d) == 1 for d in per_round.values()), per_round
-    assert not survivors(reap), "processes survived a finished swarm"
+    assert sorted(per_round) == list(range(1, rounds + 1)), per_round
+    assert all(len(d) == 1 for d in per_round.values()), per_round

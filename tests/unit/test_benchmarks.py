@@ -70,3 +70,32 @@ def test_overlap_with_one_worker_and_fedavg_is_plain_training():
         assert len(curve) == 4 and curve[-1] == pytest.approx(single.curve[-1][1], rel=0, abs=1e-5)
     stale = simulate_overlap(cfg, peers=1, steps=6, h=2, lr=1.0, momentum=0.0, start="stale")
     assert stale[-1] != pytest.approx(single.curve[-1][1], rel=0, abs=1e-5)  # restarting from theta(r) loses a round
+
+
+def test_streaming_with_one_fragment_no_delay_and_no_merge_is_blocking_diloco():
+    # F = 1, alpha = 0, delay 0: every H steps the whole model is synced and the workers restart from theta: the
+    # blocking simulator's trajectory exactly; F = 2 is another trajectory
+    from benchmarks.outer_sweep import simulate_streaming
+
+    cfg = load_config(None, MICRO)
+    blocking = simulate(cfg, peers=2, steps=4, h=2, lr=0.7, momentum=0.9)
+    assert simulate_streaming(cfg, 2, 4, 2, 0.7, 0.9, fragments=1, alpha=0.0, delay=0) == blocking
+    streaming = simulate_streaming(cfg, 2, 4, 2, 0.7, 0.9, fragments=2, alpha=0.5, delay=1)
+    assert len(streaming) == len(blocking) and streaming[-1] != blocking[-1]
+    with pytest.raises(ValueError, match="multiple of F"):
+        simulate_streaming(cfg, 2, 4, 2, 0.7, 0.9, fragments=2, alpha=0.5, delay=2)
+
+
+def test_overlap_benchmark_arms_and_verdict():
+    from benchmarks.overlap import arms_of, verdict
+
+    arms = {name: (f, sets) for name, f, sets in arms_of([2, 4], (0.7, 0.9))}
+    assert list(arms) == ["blocking", "eager", "streaming-f2", "streaming-f4"]
+    assert arms["blocking"] == (1, []) and arms["eager"] == (1, ["outer.overlap=true"])
+    assert arms["streaming-f4"] == (4, ["outer.overlap=true", "outer.fragments=4", "outer.lr=0.7",
+                                        "outer.momentum=0.9"])
+    rows = [{"arm": "blocking", "loss": 2.0, "utilization": 0.7}, {"arm": "eager", "loss": 2.2, "utilization": 0.9},
+            {"arm": "streaming-f2", "error": "x"}, {"arm": "streaming-f4", "loss": 2.01, "utilization": 0.96}]
+    assert verdict(rows) == (pytest.approx(1.005), 0.96, "streaming-f4")
+    y, _, name = verdict(rows[1:])
+    assert name == "-" and y != y  # no blocking arm: nan
