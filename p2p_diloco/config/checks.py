@@ -79,6 +79,8 @@ def check_positive(cfg: Config) -> None:
         raise ConfigError(f"train.total_steps must be >= 0 (0 = constant lr after warmup), got {cfg.train.total_steps}")
     if cfg.debug.step_delay < 0:
         raise ConfigError(f"debug.step_delay must be >= 0, got {cfg.debug.step_delay}")
+    if not cfg.train.peak_tflops >= 0:  # (NaN too)
+        raise ConfigError(f"train.peak_tflops must be >= 0 (0 = a known GPU's peak), got {cfg.train.peak_tflops}")
 
 
 def check_ranges(cfg: Config) -> None:

@@ -110,6 +110,8 @@ class TrainConfig:
     device: Device = "cpu"  # "cpu", "cuda", "auto"
     threads: int = 0  # torch CPU threads; 0 = leave torch's default
     parallelism: Parallelism = "ddp"  # local ranks of a torchrun peer (p2p_diloco/local/cluster.py): ddp | fsdp (FSDP2)
+    # the device's peak in TFLOP/s for MFU (training/throughput.py); 0 = a known GPU's dense bf16 peak, else no MFU
+    peak_tflops: float = 0.0
 
 
 @dataclass

@@ -85,7 +85,7 @@ LOCAL_SETTINGS = frozenset({
     "swarm.allowed_peers",
     # This machine's hardware: the device, CPU threads and the layout of its local ranks (an operator's
     # threads = 1 of a shared laptop, or device = cuda, would be wrong or fatal on a joiner's machine).
-    "train.device", "train.threads", "train.parallelism",
+    "train.device", "train.threads", "train.parallelism", "train.peak_tflops",
     # This peer's checkpoint directory and whether it resumes from it.
     "checkpoint.dir", "checkpoint.resume",
     # Test and benchmark hooks: a slow or malicious peer must never spread by adoption.

@@ -50,9 +50,12 @@ CATALOGUE: dict[Event, Spec] = {
     Event.INNER_PROGRESS: Spec("every 10 inner steps and at the last; `global_step`: the run's position in inner "
                                "steps, (round − 1) × H + `inner_step` (with `round.mode=swarm_target`, the step of the "
                                "lr schedule, which follows the swarm's progress): the same on every peer and after "
-                               "`--resume`; `tokens_per_s`: this peer's speed in the round so far",
-                               ("inner_step", "loss", "global_step", "tokens_per_s")),
-    Event.INNER_DONE: Spec("the end of a round's inner training", ("inner_steps", "tokens", "seconds")),
+                               "`--resume`; `tokens_per_s`: this peer's speed in the round so far; `mfu`: as in "
+                               "`inner_done`", ("inner_step", "loss", "global_step", "tokens_per_s"), ("mfu",)),
+    Event.INNER_DONE: Spec("the end of a round's inner training; `tokens_per_s`: over the round; `mfu` (0..1, only "
+                           "when the device's peak is known: a listed GPU or `train.peak_tflops`): model FLOPs "
+                           "utilisation, training/throughput.py", ("inner_steps", "tokens", "seconds",
+                                                                    "tokens_per_s"), ("mfu",)),
     Event.ALLREDUCE_START: Spec("an all-reduce attempt begins, with the deadlines in force",
                                 ("expected_group_size", "attempt", "straggler_s", "allreduce_s", "matchmaking_s")),
     Event.ALLREDUCE_RUNNING: Spec("the group is assembled, tensors are flowing", ("attempt",)),

@@ -56,9 +56,16 @@ class InnerLoop:
                 clock.wait(stop, cfg.debug.step_delay)  # tests and benchmarks only: a slow peer
         self.stats.tokens_trained += tokens
         self.stats.inner_steps += k
-        self.ctx.emit_in_round(Event.INNER_DONE, r, inner_steps=k, tokens=tokens,
-                      seconds=round(clock.monotonic() - t0, 3))
+        seconds = clock.monotonic() - t0
+        rate = tokens / seconds if seconds > 0 else 0.0
+        self.ctx.emit_in_round(Event.INNER_DONE, r, inner_steps=k, tokens=tokens, seconds=round(seconds, 3),
+                               tokens_per_s=round(rate, 1), **self._mfu(rate))
         return tokens, k
+
+    def _mfu(self, tokens_per_s: float) -> dict[str, float]:
+        """``{"mfu": x}`` (0..1, 4 decimals) when the device's peak is known, else nothing."""
+        value = self.training.mfu(tokens_per_s)
+        return {} if value is None else {"mfu": round(value, 4)}
 
     def _progress(self, r: int, k: int, loss: float, tokens: int, elapsed: float, by_target: bool,
                   global_step: int) -> None:
@@ -70,12 +77,14 @@ class InnerLoop:
         rate = tokens / max(elapsed, 1e-9)
         self.ctx.swarm.update(inner_step=k, tokens=self.stats.tokens_trained + tokens, round_tokens=tokens,
                               **({} if by_target else {"tokens_per_s": round(rate, 1)}))  # (else: progress records)
+        mfu = self._mfu(rate)
         if k % PROGRESS_EVERY == 0 or k == H:
             self.ctx.emit_in_round(Event.INNER_PROGRESS, r, inner_step=k, loss=round(loss, 4),
-                                   global_step=global_step, tokens_per_s=round(rate, 1))
+                                   global_step=global_step, tokens_per_s=round(rate, 1), **mfu)
         # "round k" is the round being trained (the one that produces theta(k)), as in events.jsonl and `status`
+        shown = f"  MFU {100 * mfu['mfu']:.1f} %" if mfu else ""
         self.ctx.status(f"round {r + 1}  inner step {k}{'' if by_target else f'/{H}'}  loss {loss:.3f}  "
-                        f"{rate:,.0f} tok/s")
+                        f"{rate:,.0f} tok/s{shown}")
 
     def _exchange_progress(self, tokens: int, step_tokens: int, elapsed: float) -> dict[str, PeerRecord]:
         """Publish our progress in the round (``swarm_target``) and return the other peers' records."""

@@ -64,6 +64,9 @@ class FakeTraining:
         self.cursor += 1
         return self.evaluate(), self.tokens_per_step
 
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return None  # a stand-in has no FLOPs and no device peak
+
     def evaluate(self) -> float:
         return float(sum(((p - t) ** 2).sum() for p, t in zip(self.params, self.target)))
 

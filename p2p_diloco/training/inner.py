@@ -64,6 +64,15 @@ def autocast_context(mode: str, device: torch.device) -> Callable[[], contextlib
     return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
+def adamw_kernel(device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation: the fused kernel, on CUDA (one launch for all parameters instead of several per
+    tensor) and on CPU, where it measured 2.1-2.8x faster than torch's default per-tensor loop (optimizer step 2.5
+    -> 1.2 ms on the tiny model, 9.1 -> 3.3 ms at 3.3M parameters; foreach: no gain; docs/gpu.md). Only this peer's
+    local weights depend on it: theta's bits come from the swarm's average, the same on every member whatever each
+    one's kernel."""
+    return {"fused": device.type in ("cuda", "cpu")}
+
+
 class InnerTrainer:
     """Runs inner steps (AdamW, warmup + cosine, clipping, accumulation, autocast) on a causal LM.
 
@@ -83,7 +92,7 @@ class InnerTrainer:
         no_decay = [p for p in model.parameters() if p.ndim < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **adamw_kernel(device),
         )
 
     def step(self, schedule_step: int) -> tuple[float, int]:
@@ -92,19 +101,20 @@ class InnerTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        total_loss, tokens = 0.0, 0
+        # the loss stays on the device until the step is done: one host sync per step, not one per micro-batch
+        total_loss, tokens = torch.zeros((), device=self.device), 0
         for _ in range(self.cfg.grad_accum):
-            batch = self.next_batch().to(self.device)
+            batch = self.next_batch().to(self.device, non_blocking=True)
             with self.autocast():
                 loss = self.model(input_ids=batch, labels=batch).loss
             (loss / self.cfg.grad_accum).backward()
-            total_loss += loss.item()
+            total_loss += loss.detach().float()
             tokens += batch.numel()
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total_loss / self.cfg.grad_accum, tokens
+        return float(total_loss) / self.cfg.grad_accum, tokens
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ from ..local.commands import INIT
 from .data import PackedStream, eval_batches, train_documents
 from .inner import InnerTrainer, Replica, resolve_device, schedule_horizon
 from .model import build_model
+from .throughput import flops_per_token, mfu, peak_flops
 from .tokenizer import build_tokenizer, vocab_size
 
 
@@ -34,6 +35,8 @@ class Training:
         self.model: torch.nn.Module | None = build_model(cfg.model, vocab_size(self.tokenizer),
                                                          cfg.run.seed).to(self.device)
         self.params = list(self.model.parameters())
+        self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)  # for MFU (throughput.py)
+        self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)  # None: unknown, no MFU
         self.data_seed: int | None = None
         self.data: PackedStream | None = None
         self.trainer: InnerTrainer | None = None
@@ -56,6 +59,12 @@ class Training:
     @property
     def tokens_per_step(self) -> int:
         return self.data.tokens_per_batch * self.cfg.train.grad_accum
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        """This peer's model FLOPs utilisation at ``tokens_per_s`` (0..1), or None when its peak is unknown. A
+        cluster peer's tokens are all its ranks', and its peak is one device's times the ranks."""
+        ranks = self.cluster.world if self.cluster else 1
+        return mfu(tokens_per_s / ranks, self.flops_per_token, self.peak_flops)
 
     def step(self, schedule_step: int) -> tuple[float, int]:
         """One inner step at position ``schedule_step`` of the lr schedule: (loss, tokens)."""

@@ -42,6 +42,9 @@ class Training:
     def step(self, schedule_step: int) -> tuple[float, int]:
         return 5.0 - 0.01 * schedule_step, self.tokens_per_step
 
+    def mfu(self, tokens_per_s: float) -> float | None:
+        return None
+
 
 def _peer() -> tuple[InnerLoop, EventRecorder]:
     cfg = Config()
