@@ -112,6 +112,10 @@ class TrainConfig:
     parallelism: Parallelism = "ddp"  # local ranks of a torchrun peer (p2p_diloco/local/cluster.py): ddp | fsdp (FSDP2)
     # the device's peak in TFLOP/s for MFU (training/throughput.py); 0 = a known GPU's dense bf16 peak, else no MFU
     peak_tflops: float = 0.0
+    # recompute each layer's activations in the backward pass instead of keeping them: memory for the big configs,
+    # at about a third more compute; the gradients are the same
+    activation_checkpointing: bool = False
+    compile: bool = False  # torch.compile the model (needs a C++ compiler on CPU; training/part.py)
 
 
 @dataclass

@@ -59,7 +59,7 @@ PER_PEER_SETTINGS = frozenset({
     "data.path", "data.name", "data.text_column", "data.train_split", "data.eval_split", "data.eval_fraction",
     "data.streaming", "data.seq_len", "data.batch_size", "data.max_bytes", "data.shuffle_buffer",
     # How this peer runs a step: accumulation and precision. The pseudo-gradient's meaning does not change.
-    "train.grad_accum", "train.autocast",
+    "train.grad_accum", "train.autocast", "train.activation_checkpointing",
     # Evaluation is each peer's own report on its held-out data; no protocol decision reads it. Adopted so that
     # the eval losses the peers publish are comparable by default.
     "eval.every_rounds", "eval.batches",
@@ -85,7 +85,7 @@ LOCAL_SETTINGS = frozenset({
     "swarm.allowed_peers",
     # This machine's hardware: the device, CPU threads and the layout of its local ranks (an operator's
     # threads = 1 of a shared laptop, or device = cuda, would be wrong or fatal on a joiner's machine).
-    "train.device", "train.threads", "train.parallelism", "train.peak_tflops",
+    "train.device", "train.threads", "train.parallelism", "train.peak_tflops", "train.compile",
     # This peer's checkpoint directory and whether it resumes from it.
     "checkpoint.dir", "checkpoint.resume",
     # Test and benchmark hooks: a slow or malicious peer must never spread by adoption.

@@ -169,6 +169,8 @@ def check(cfg: Config, world: int) -> None:
                           f"ranks ({world})")
     if cfg.outer.sharding == "sharded" and cfg.outer.shards < world:
         raise ConfigError(f"outer.shards ({cfg.outer.shards}) must be at least the number of local ranks ({world})")
+    if cfg.train.compile:  # compiling each rank's wrapped model is not built (nor measured) yet
+        raise ConfigError("train.compile does not work under torchrun with several ranks yet")
     if cfg.outer.fragments > 1:  # every rank would have to merge the synced fragment into its part of the model
         raise ConfigError("outer.fragments > 1 does not work under torchrun with several ranks yet: run the peer as "
                           "one process")

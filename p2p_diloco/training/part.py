@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config
+from ..config import Config, ConfigError
 from ..local.cluster import ClusterReplica, ClusterTrainer
 from ..local.commands import INIT
 from .data import PackedStream, eval_batches, train_documents
@@ -15,6 +15,23 @@ from .inner import InnerTrainer, Replica, resolve_device, schedule_horizon
 from .model import build_model
 from .throughput import flops_per_token, mfu, peak_flops
 from .tokenizer import build_tokenizer, vocab_size
+
+
+def prepare_model(model: torch.nn.Module, cfg) -> None:
+    """``train.activation_checkpointing`` and ``train.compile``, in place (the module, its parameters and its state
+    dict keys stay the same objects and names: checkpoints, theta and the cluster's wrapping see the same model).
+
+    Activation checkpointing is transformers' (non-reentrant: it works with DDP and FSDP2); compile is
+    ``nn.Module.compile`` (the forward is compiled on its first call; on CPU inductor needs a C++ compiler)."""
+    if cfg.activation_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} does not support it")
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers' name since 5.x
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.compile:
+        model.compile()
 
 
 class Training:
@@ -34,6 +51,7 @@ class Training:
         self.train_docs = train_documents(cfg.data)  # loaded (and checked) now, before the peer joins the swarm
         self.model: torch.nn.Module | None = build_model(cfg.model, vocab_size(self.tokenizer),
                                                          cfg.run.seed).to(self.device)
+        prepare_model(self.model, cfg.train)
         self.params = list(self.model.parameters())
         self.flops_per_token = flops_per_token(self.model, cfg.data.seq_len)  # for MFU (throughput.py)
         self.peak_flops = peak_flops(self.device, cfg.train.peak_tflops)  # None: unknown, no MFU
