@@ -28,6 +28,7 @@ def test_ranks_split_each_batch_into_contiguous_equal_rows():
     (["data.batch_size=6"], "data.batch_size (6) must be a multiple of the number of local ranks (4)"),
     (["outer.sharding=sharded", "outer.shards=3"], "outer.shards (3) must be at least the number of local ranks (4)"),
     (["outer.fragments=2"], "outer.fragments > 1 does not work under torchrun with several ranks yet"),
+    (["train.compile=true"], "train.compile does not work under torchrun with several ranks yet"),
 ])
 def test_settings_that_cannot_work_with_this_many_ranks(sets, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
