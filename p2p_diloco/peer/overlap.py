@@ -135,15 +135,14 @@ class OverlapLoop:
         ctx.announce(Phase.TRAIN)
         ctx.swarm.set_donor_round(ctx.state.round)
 
-    def _land(self, pending: Task, stopping: bool = False) -> bool:
+    def _land(self, pending: Task, stopping: bool = False) -> None:
         """Wait for the sync in flight; then theta (stepped, downloaded or unchanged) goes into the model, is
-        announced and checkpointed (the round boundary). True if the sync was ours and stepped theta."""
+        announced and checkpointed (the round boundary)."""
         if not pending.done():
             self.ctx.status(f"round {self.ctx.state.round + 1}: waiting for the all-reduce running in the background")
-        stepped = bool(pending.result())
+        pending.result()
         if stopping:
             self.ctx.state.load_into(self.rounds.training.replica)
             self.rounds.inner.stepped = False  # the peer saves this point
         else:
             self.rounds.boundary()
-        return stepped
