@@ -19,8 +19,8 @@ listed GPU or ``--set train.peak_tflops=...``; ``scripts/gpu-check.sh`` reads it
 (issue 22's goal: <= 1.5) and ``inner_over_bare=<x>``, the mean of the pairs' ratios of tokens/s (goal: >= 0.98).
 ``--set train.device=cuda`` runs both arms on the GPU (bf16 autocast, as the product's default there).
 
-Usage: ``python -m benchmarks.inner [--quick]`` (``--quick``: 2 pairs of 3 rounds of H = 100, about 3 minutes on 2
-cores; the full run 3 pairs of 5 rounds); ``--set`` changes the model or the batch of both arms.
+Usage: ``python -m benchmarks.inner [--quick]`` (``--quick``: 2 pairs of 3 rounds of H = 100; the full run 3 pairs
+of 5 rounds); ``--set`` changes the model or the batch of both arms.
 """
 
 from __future__ import annotations

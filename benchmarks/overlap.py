@@ -22,7 +22,7 @@ utilization=<u>`` for the overlapped arm with the lowest loss (named on the line
 u >= 0.95.
 
 Usage (root): ``sudo .venv/bin/python -m benchmarks.overlap [--quick]``; ``--quick`` is R = 8 rounds of H = 20 and
-streaming at F = 2 and 4 (about 12 minutes on 2 cores), the full run R = 16. ``--arms`` picks a subset.
+streaming at F = 2 and 4 (its arms took 254 s on 2 cores), the full run R = 16 (439 s). ``--arms`` picks a subset.
 Namespaces and processes are removed on any exit, as in utilization.py.
 """
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 22's GPU check: at most 8 minutes on one GPU, nothing downloaded (byte tokenizer, built-in corpus).
+# Issue 22's GPU check, sized for its 8 minutes on one GPU (not yet timed on one); nothing downloaded (byte
+# tokenizer, built-in corpus).
 #
 #   scripts/gpu-check.sh         on a CUDA machine: a ~150M-parameter Llama (12 x 1024, bf16 autocast)
 #   scripts/gpu-check.sh --cpu   the same steps on this CPU with the tiny model and a nominal peak of 0.3 TFLOP/s
