@@ -5,10 +5,11 @@ Three measurements, then arithmetic (docs/scale.md shows a run of it):
 1. **Tensor accounting** (this process): build a model, take one inner step (AdamW state exists after it), build
    the outer optimizer and a pseudo-gradient buffer, and sum the bytes each component's tensors hold, per
    parameter: parameters, gradients, AdamW, theta, outer momentum, pseudo-gradient; and each codec's payload.
-2. **Whole-peer memory slope**: ``p2p-diloco swarm --peers 2 --max-rounds 2`` for two model sizes; the peak of the
-   summed PSS (proportional set size, so hivemind's shared-memory copies are not counted twice) of every process
-   of the swarm, sampled every 0.2 s, per peer. The slope between the two sizes is what one more parameter costs
-   a 1-rank CPU peer in all: inner training, outer state, hivemind's averager buffers, codec buffers, allocator.
+2. **Whole-peer memory slope**: ``p2p-diloco swarm --peers 2 --max-rounds 4`` for two model sizes; each peer's
+   peak PSS (proportional set size, so hivemind's shared-memory copies are not counted twice), summed over its
+   processes (main, DHT, averager, p2pd), sampled every 0.2 s; the mean over the peers. The slope between the two
+   sizes is what one more parameter costs a 1-rank CPU peer in all: inner training, outer state, hivemind's
+   averager buffers, codec buffers, allocator.
 3. **Codec time**: encode + decode of a pseudo-gradient-sized tensor with each codec, in ns per value, this CPU
    (torch's default threads; the fastest of 3).
 
@@ -42,6 +43,7 @@ SIZES = {"small": ["model.hidden_size=256", "model.intermediate_size=688", "mode
 COMMON = ["data.max_bytes=1500000", "eval.batches=2", "train.threads=1", "swarm.matchmaking_time=3.0",
           "data.batch_size=2", "data.seq_len=64",  # small activations: the slope is then mostly per-parameter
           "swarm.request_timeout=1.0"]
+ROUNDS = 4  # each peer through its steady state: both phases (inner steps, sync) more than once
 TARGETS = {"1B": 1.1e9, "30B": 30e9, "50B": 50e9}
 LINKS = {"100 Mbit/s": 100e6, "1 Gbit/s": 1e9, "10 Gbit/s": 10e9}
 
@@ -90,27 +92,46 @@ def codec_ns_per_value(n: int) -> dict[str, float]:
 
 
 def peak_pss_per_peer(size: str, peers: int, tmp: Path) -> tuple[int, float]:
-    """(parameters, peak summed PSS of the whole swarm / peers) of a short real run."""
-    cmd = ["--peers", str(peers), "--max-rounds", "2", "--inner-steps", "5", "--run-id",
+    """(parameters, the mean over peers of each peer's peak PSS) of a short real run.
+
+    A peer is a ``join`` process of the launcher with every process under it (DHT, averager, p2pd,
+    torch_shm_manager); its PSS is summed at each sample and the peak taken per peer: the peers' peaks need not
+    coincide (one trains while the other syncs), so the peak of the whole swarm's sum would depend on how their
+    phases happened to line up."""
+    cmd = ["--peers", str(peers), "--max-rounds", str(ROUNDS), "--inner-steps", "5", "--run-id",
            f"scale-{size}-{int(time.time())}", "--data-seed", "1"]
     for item in [*SIZES[size], *COMMON]:
         cmd += ["--set", item]
+    peaks: dict[int, int] = {}
     with swarm_process(cmd, tmp / f"{size}.log") as proc:
-        root, peak = psutil.Process(proc.pid), 0
+        root = psutil.Process(proc.pid)
         while proc.poll() is None:
-            total = 0
-            for p in [root, *root.children(recursive=True)]:
+            try:
+                children = root.children()
+            except psutil.Error:
+                break
+            for peer in children:
+                total = 0
                 try:
-                    total += p.memory_full_info().pss
+                    if "join" not in peer.cmdline():  # (the launcher's other children: multiprocessing's helpers)
+                        continue
+                    tree = [peer, *peer.children(recursive=True)]
                 except psutil.Error:
-                    pass
-            peak = max(peak, total)
+                    continue
+                for p in tree:
+                    try:
+                        total += p.memory_full_info().pss
+                    except psutil.Error:
+                        pass
+                peaks[peer.pid] = max(peaks.get(peer.pid, 0), total)
             time.sleep(0.2)
     if proc.returncode != 0:
         raise SystemExit(f"swarm run failed ({proc.returncode}); see {tmp / f'{size}.log'}")
+    if len(peaks) != peers:
+        raise SystemExit(f"saw {len(peaks)} peer processes, expected {peers}; see {tmp / f'{size}.log'}")
     cfg = load_config(sets=[*SIZES[size], *COMMON])
     n = count_parameters(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), 0))
-    return n, peak / peers
+    return n, sum(peaks.values()) / peers
 
 
 def main() -> None:

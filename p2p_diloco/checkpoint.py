@@ -84,22 +84,28 @@ def restore_rng(state: dict) -> None:
             torch.cuda.set_rng_state(cuda_state, device)
 
 
-def _cpu_clone(obj: Any) -> Any:
-    """Copy of nested dicts/lists/tuples with every tensor as a compact CPU clone.
+def _saveable(obj: Any) -> Any:
+    """Copy of nested dicts/lists/tuples with every tensor compact and on the CPU.
 
-    Cloning decouples the file from the live tensors and keeps ``torch.save`` from writing the whole storage
-    behind a view.
+    A tensor that is a whole CPU storage is written as it is, not cloned: a clone of the model, the inner optimizer
+    and the outer state would cost 20 bytes per parameter at every checkpoint (docs/scale.md). That is safe because
+    nothing changes them while ``torch.save`` writes them: the peer saves from its training thread at a round
+    boundary (no inner step runs), under the outer state's lock (no outer step lands). A view is cloned, or
+    ``torch.save`` would write the whole storage behind it; a device tensor is copied to the CPU.
     """
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
+        t = obj.detach()
+        whole = (t.device.type == "cpu" and t.is_contiguous() and t.storage_offset() == 0
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+        return t if whole else t.cpu().clone()
     if isinstance(obj, dict):
         # copy.copy keeps the dict's class and attributes: state_dict()'s ``_metadata`` carries module versions.
         out = copy.copy(obj)
         for k, v in obj.items():
-            out[k] = _cpu_clone(v)
+            out[k] = _saveable(v)
         return out
     if type(obj) in (list, tuple):
-        return type(obj)(_cpu_clone(v) for v in obj)
+        return type(obj)(_saveable(v) for v in obj)
     return obj
 
 
@@ -146,7 +152,7 @@ class CheckpointStore:
     def save(self, state: PeerState) -> Path:
         """Write ``state`` atomically (:func:`atomic_save`) as ``round-{round:08d}.pt`` and prune old checkpoints.
         Returns the new checkpoint's path."""
-        payload = {"format": FORMAT, **{f.name: _cpu_clone(getattr(state, f.name)) for f in fields(PeerState)}}
+        payload = {"format": FORMAT, **{f.name: _saveable(getattr(state, f.name)) for f in fields(PeerState)}}
         final = self.directory / f"round-{state.round:08d}.pt"
         atomic_save(payload, final)
         # Pruning only after the new file is in place, so there is always at least one complete checkpoint. The

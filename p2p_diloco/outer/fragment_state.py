@@ -80,10 +80,9 @@ class FragmentState(WholeState):
         out[0].zero_()  # the padding after the fragment averages to zero
         opt.pseudo_gradient([self.theta[i] for i in run], [replica.params[i] for i in run], self.views(out[0], p))
 
-    def _step_aside(self, aside: Tensors, average: Tensors) -> None:
-        p, n = self.fragment(), len(self.theta)
-        run = self.runs[p]
-        self.optimizer.step_on([aside[i] for i in run], [aside[n + i] for i in run], self.views(average[0], p))
+    def _stepped(self, average: Tensors) -> list[tuple[int, torch.Tensor]]:
+        run = self.runs[self.fragment()]
+        return list(zip(run, self.views(average[0], self.fragment()), strict=True))
 
     def lookahead(self, pseudo_gradient: Tensors, out: Tensors) -> None:
         raise ValueError("outer.fragments merges the synced fragment instead of a look-ahead")  # a caller's bug

@@ -130,11 +130,19 @@ def digest(tensors: Iterable[torch.Tensor]) -> str:
     """SHA-256 over the SHA-256 of each tensor (its shape and raw bytes), in order: equal digests mean
     bit-identical tensors. The tensors are hashed in parallel threads (hashlib releases the GIL), so theta and its
     momentum together take about as long as theta alone did on two cores."""
+    return digest_of_hashes(tensor_hashes(tensors))
+
+
+def tensor_hashes(tensors: Iterable[torch.Tensor]) -> list[str]:
+    """The per-tensor hashes :func:`digest` combines, in order."""
     parts = [t.detach().to("cpu").contiguous() for t in tensors]
     if sum(t.numel() * t.element_size() for t in parts) < PARALLEL_BYTES:
-        hashes = [_tensor_hash(t) for t in parts]
-    else:
-        hashes = list(_hash_pool().map(_tensor_hash, parts))
+        return [tensor_hash(t) for t in parts]
+    return list(_hash_pool().map(tensor_hash, parts))
+
+
+def digest_of_hashes(hashes: Sequence[str]) -> str:
+    """:func:`digest` from the per-tensor hashes (:func:`tensor_hashes`)."""
     return hashlib.sha256(("tree:" + ",".join(hashes)).encode()).hexdigest()
 
 
@@ -148,7 +156,8 @@ def _hash_pool() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _tensor_hash(t: torch.Tensor) -> str:
+def tensor_hash(t: torch.Tensor) -> str:
+    """The SHA-256 of one tensor's shape and raw bytes (CPU, contiguous)."""
     h = hashlib.sha256(str(tuple(t.shape)).encode())
     h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
     return h.hexdigest()

@@ -6,8 +6,10 @@ changes it). Two implementations: :class:`WholeState` keeps it whole in this pro
 "rank0"``), :class:`~p2p_diloco.outer.sharded_state.ShardedState` cut into logical shards across the local ranks
 (``"sharded"``). The round protocol never knows which one it has.
 
-The commit contract: theta only changes by :meth:`GlobalState.commit` (the outer step :meth:`GlobalState.prepare`
-computed from the average of a round, once that round's certificate is complete), :meth:`GlobalState.fetch` (a
+The commit contract: theta only changes by :meth:`GlobalState.commit` (the outer step whose result
+:meth:`GlobalState.prepare` hashed from the average of a round, once that round's certificate is complete; the
+whole state redoes it in place from the same average, which stays untouched until then, so it holds no second
+outer state), :meth:`GlobalState.fetch` (a
 state that checked out against its digest and certificate) or :meth:`GlobalState.restore` (a verified checkpoint);
 ``round``, ``digest`` and ``certificate`` change with it, under the same lock. ``digest`` covers the whole outer
 state, theta *and* the momentum: it is what certificates sign and what every download is checked against.
@@ -70,6 +72,10 @@ class GlobalState(ABC):
     @abstractmethod
     def tensors_like(self) -> Tensors:
         """Tensors shaped like what this process all-reduces (the swarm's averager buffers)."""
+
+    def held_tensors(self) -> Tensors:
+        """The large tensors this state holds in this process (kept out of forked children: runtime/forks.py)."""
+        return []
 
     @abstractmethod
     def donate(self, *shard: int) -> tuple[dict, Tensors]:
@@ -142,6 +148,16 @@ class GlobalState(ABC):
         """Take the outer state of a verified checkpoint (:class:`~p2p_diloco.checkpoint.PeerState`)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """An outer step prepared and not yet committed."""
+
+    reopen: Callable[[], Any]  # a context manager giving the average back
+    before: str  # the digest of the state it steps from
+    after: str  # the digest it leads to
+    hashes: list[str]  # the per-tensor hashes of the state it leads to
+
+
 class WholeState(GlobalState):
     """theta and the momentum whole, in this process (``outer.sharding = "rank0"``).
 
@@ -159,16 +175,17 @@ class WholeState(GlobalState):
         self.round, self.digest = 0, opt.digest(self.optimizer.state_tensors())
         self.certificate: Certificate | None = None
         self.owner = ""  # our peer id, sent with donations
-        # theta(round + 1) and its momentum, computed aside until the round commits; the buffers are kept between
-        # rounds (committing swaps them with theta's), so preparing a step allocates nothing after the first
-        self._aside: Tensors | None = None
-        self._prepared = False
+        self._pending: _Pending | None = None  # the prepared outer step, until it commits or is discarded
+        self._hash_cache: tuple[str, list[str]] | None = None  # (digest, its per-tensor hashes)
 
     def attach(self, swarm: Any, replica: Any) -> None:
         self.owner = swarm.peer_id or ""
 
     def tensors_like(self) -> Tensors:
         return self.theta
+
+    def held_tensors(self) -> Tensors:
+        return self.optimizer.state_tensors()
 
     def donate(self, *shard: int) -> tuple[dict, Tensors]:
         with self.lock:
@@ -190,39 +207,63 @@ class WholeState(GlobalState):
 
     def prepare_averaged(self, swarm: Any) -> str:
         with swarm.averaged() as average:  # read in place: no copy of the average
-            return self.prepare(average)
+            return self._prepare(average, swarm.averaged)
 
     def prepare(self, average: Tensors) -> str:
-        with self.lock:
-            ours = self.optimizer.state_tensors()
-            if self._aside is None:
-                self._aside = [torch.empty_like(t) for t in ours]
-            for dst, src in zip(self._aside, ours):
-                dst.copy_(src)
-        self._step_aside(self._aside, average)
-        self._prepared = True
-        return opt.digest(self._aside)
+        return self._prepare(average, lambda: contextlib.nullcontext(average))
 
-    def _step_aside(self, aside: Tensors, average: Tensors) -> None:
-        """The outer step on ``aside`` (a copy of theta, then of the momentum) with the swarm's ``average``."""
-        n = len(self.theta)
-        self.optimizer.step_on(aside[:n], aside[n:], average)
-
-    def commit(self, certificate: Certificate) -> None:
-        if not self._prepared or self._aside is None:
-            raise RuntimeError("commit() without prepare()")  # a bug of the caller
+    def _prepare(self, average: Tensors, reopen: Callable[[], Any]) -> str:
+        """The digest theta(round + 1) and its momentum would have: each tensor the step changes is stepped on a
+        copy, hashed and dropped, so no second outer state is held (8 bytes per parameter); :meth:`commit` then
+        redoes the step in place, from the same average (``reopen`` gives it back) with the same arithmetic."""
         with self.lock:
             n = len(self.theta)
-            # swap in place: the lists (held by the optimizer and by us) stay the same objects
-            old_theta, old_momentum = list(self.theta), list(self.optimizer.momentum_buffers)
-            self.theta[:] = self._aside[:n]
-            self.optimizer.momentum_buffers[:] = self._aside[n:]
-            self._aside = old_theta + old_momentum
-            self.round, self.digest = self.round + 1, certificate.statement.after
-            self.certificate, self._prepared = certificate, False
+            stepped = self._stepped(average)
+            hashes = self._hashes_except({i for i, _ in stepped})
+            momentum = self.optimizer.momentum_buffers
+            for i, d in stepped:  # one tensor at a time: the copies cost the largest tensor twice at most
+                t, m = self.theta[i].clone(), momentum[i].clone()
+                self.optimizer.step_on([t], [m], [d])
+                hashes[i], hashes[n + i] = opt.tensor_hashes([t, m])  # (the two in parallel threads when large)
+            after = opt.digest_of_hashes(hashes)
+            self._pending = _Pending(reopen, self.digest, after, hashes)
+        return after
+
+    def _stepped(self, average: Tensors) -> list[tuple[int, torch.Tensor]]:
+        """``(index of a theta tensor, its average pseudo-gradient)`` for each tensor the outer step changes."""
+        return list(enumerate(average))
+
+    def _hashes_except(self, skip: set[int]) -> list[str]:
+        """The per-tensor hashes of theta and momentum (:func:`~p2p_diloco.outer.optimizer.tensor_hashes`) of the
+        tensors of theta not in ``skip`` and their momentum; "" for the others. Kept from the last commit while
+        the digest is still that commit's (a fragment round changes 1/F of the tensors)."""
+        n, ours = len(self.theta), self.optimizer.state_tensors()
+        cached = self._hash_cache[1] if self._hash_cache and self._hash_cache[0] == self.digest else None
+        keep = [j for j in range(2 * n) if j % n not in skip]
+        hashes = [""] * (2 * n)
+        fresh = [] if cached else opt.tensor_hashes([ours[j] for j in keep])
+        for k, j in enumerate(keep):
+            hashes[j] = cached[j] if cached else fresh[k]
+        return hashes
+
+    def commit(self, certificate: Certificate) -> None:
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("commit() without prepare()")  # a bug of the caller
+        if certificate.statement.after != pending.after:
+            raise RuntimeError("commit() of another step than the one prepared")  # a bug of the caller
+        with pending.reopen() as average, self.lock:  # (the averagers' locks first, as in prepare_averaged)
+            if self.digest != pending.before:
+                raise RuntimeError("the outer state changed between prepare() and commit()")  # a caller's bug
+            momentum = self.optimizer.momentum_buffers
+            for i, d in self._stepped(average):  # the arithmetic of prepare on the same inputs: the same bits
+                self.optimizer.step_on([self.theta[i]], [momentum[i]], [d])
+            self.round, self.digest = self.round + 1, pending.after
+            self.certificate, self._pending = certificate, None
+            self._hash_cache = (pending.after, pending.hashes)
 
     def discard(self) -> None:
-        self._prepared = False
+        self._pending = None
 
     def lookahead(self, pseudo_gradient: Tensors, out: Tensors) -> None:
         self.optimizer.lookahead(pseudo_gradient, out)

@@ -19,6 +19,7 @@ from ..errors import ConfigError
 from ..outer.fragment_state import FragmentState
 from ..outer.state import GlobalState, WholeState
 from ..runtime.clock import Clock, RealClock
+from ..runtime.forks import keep_out_of_children
 from ..swarm.port import SwarmFactory
 from ..training.model import count_parameters
 from ..training.part import Training
@@ -63,6 +64,8 @@ def build_peer(cfg: Config, metrics: Metrics, swarm_factory: SwarmFactory, stop:
         torch.set_num_threads(cfg.train.threads)
     training = Training(cfg, cluster)
     state = build_state(cfg, cluster, training.params)
+    # the DHT and averager processes fork from here on: they never read the weights or the outer state
+    keep_out_of_children([*training.params, *state.held_tensors()])
     swarm = swarm_factory(cfg, state.tensors_like(), state.donate, **state.swarm_options())
     clock = clock or RealClock()
     ctx = PeerContext(cfg, clock, stop or clock.event(), metrics, swarm, state, random.Random())

@@ -28,6 +28,7 @@ from .compression import compression_for
 from .data_auth import DataKey, DataPeer, advertise
 from .identity import Identity
 from .sockets import listen_socket
+from .source_channel import SourceChannel
 from .starting import one_line, start_process
 from ..protocol.push import push_limit
 
@@ -68,7 +69,7 @@ class Averagers:
             input (``outer.fragments``); by default it is.
     """
 
-    shapes: list[list[torch.Size]] | None = None  # per averager, with a chunked codec: its inputs' shapes
+    shapes: list[list[torch.Size]]  # per averager: the shapes of its inputs, end to end in its one flat buffer
 
     def __init__(self, cfg, dht, groups: dict[str, Sequence[torch.Tensor]],
                  state_providers: dict[str, Callable[[], tuple[dict, list[torch.Tensor]]]],
@@ -84,17 +85,17 @@ class Averagers:
         quiet_step_failures()  # before the averagers fork: a failed attempt is reported once, by the round protocol
         self.state_sizes: list[tuple[int, int]] = []  # per averager: (bytes, tensors) of theta and its momentum
         codec = codec_for(cfg.outer)
-        # a chunked codec (topk) averages one flat buffer: hivemind then cuts its libp2p parts from the start of the
-        # concatenation, on the chunks that the error feedback and the TCP data plane use too (error_feedback.py)
-        self.shapes = None if codec.align == 1 else []
+        # Each averager averages one flat buffer: the TCP data plane works in it in place (no copy of the model's
+        # size in the averager: source_channel.py), and hivemind cuts its libp2p parts from the start of the
+        # concatenation, on the chunks that a chunked codec's error feedback uses too (error_feedback.py)
+        self.shapes = []
+        self.sources: list[SourceChannel] = []
         for n, key in enumerate(self.keys):
-            buffers = [torch.zeros_like(t, dtype=torch.float32, device="cpu") for t in groups[key]]
-            theta = (state_like or {}).get(key, buffers)
+            theta = (state_like or {}).get(key, groups[key])
             self.state_sizes.append((2 * sum(t.numel() * 4 for t in theta), 2 * len(theta)))  # fp32
             state_shapes = [tuple(t.shape) for t in theta] * 2  # what a donor sends: theta, momentum
-            if self.shapes is not None:
-                self.shapes.append([b.shape for b in buffers])
-                buffers = [torch.zeros(sum(b.numel() for b in buffers), dtype=torch.float32)]
+            self.shapes.append([t.shape for t in groups[key]])
+            buffers = [torch.zeros(sum(t.numel() for t in groups[key]), dtype=torch.float32)]
             averager = ExactAverager(
                 buffers, dht, start=False, prefix=prefix + (f"_{key}" if key else ""),
                 target_group_size=2, min_group_size=2, min_matchmaking_time=self.sc.matchmaking_time,
@@ -115,9 +116,12 @@ class Averagers:
                 averager.data_key = DataKey()
                 me = DataPeer(identity.peer_id, address, averager.data_key.public, self.sc.encrypt_data)
                 advert = advertise(identity.sign, identity.public_key, averager.prefix, me)
+            averager.source_channel = SourceChannel()
             self.list.append(averager)
             self.adverts.append(advert)
             start_process(averager, self.sc.startup_timeout)  # not run_in_background: it ignores Ctrl-C for good
+            averager.source_channel.serve()
+            self.sources.append(averager.source_channel)
 
     def _open_data_plane(self, port: int, visible_maddrs):
         """Listen for direct-TCP all-reduce traffic (see fastpath.py) on the host of our first /ip4 listen address;
@@ -131,6 +135,8 @@ class Averagers:
         return sock, f"{host}:{sock.getsockname()[1]}"
 
     def shutdown(self) -> None:
+        for source in self.sources:
+            source.close()
         for averager in self.list:
             try:
                 if averager.is_alive():
@@ -167,17 +173,25 @@ class Averagers:
             averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
                                       allreduce_timeout=allreduce_timeout, leader=None if shards else leader)
             with averager.get_tensors() as buffers:
-                if self.shapes is not None:
-                    torch.cat([t.reshape(-1) for t in tensors], out=buffers[0])
-                else:
-                    for buf, t in zip(buffers, tensors, strict=True):
-                        buf.copy_(t)
+                torch.cat([t.reshape(-1) for t in tensors], out=buffers[0])
+                averager.source_channel.set_inputs(tensors)  # unchanged until the next attempt (the caller's buffer)
                 if self.cfg.debug.corrupt_pseudo_gradient:  # the security tests' malicious peer
                     corrupt_(buffers, self.cfg.debug.corrupt_pseudo_gradient, self._corruption)
+                    averager.source_channel.set_inputs([buffers[0].clone()])  # (what it sent, for a repair)
             mine = dict(gather, data=advert) if advert and self.p2p_only_round != round_ else gather
             controls.append(averager.step(gather=mine, weight=float(weight), timeout=look, allow_retries=False,
                                           wait=False))
             gather = {k: gather[k] for k in ("round", "peer") if k in gather}  # the other shards' members need no more
+        try:
+            return self._wait(controls, round_, shards, t0, look, allreduce_timeout, should_stop, on_running)
+        finally:
+            for source in self.sources:  # the caller may free or reuse its buffer now
+                source.set_inputs(None)
+
+    def _wait(self, controls: list, round_: int, shards: Sequence[int] | None, t0: float, look: float,
+              allreduce_timeout: float, should_stop: Callable[[], bool], on_running: Callable[[], None]
+              ) -> AllReduceResult:
+        """The steps of one attempt, to their result (see :meth:`all_reduce`)."""
         assembled = [0.0]
 
         def running() -> None:
@@ -235,8 +249,8 @@ class Averagers:
         """A last line of defence: a non-finite average (every reducer validates, so only a hostile reducer could
         send one) fails the round instead of reaching theta."""
         for averager in self.list:
-            with averager.get_tensors() as buffers:
-                if not all(bool(torch.isfinite(b).all()) for b in buffers):
+            with averager.get_tensors() as buffers:  # (in chunks: no mask of the model's size)
+                if not all(bool(torch.isfinite(c).all()) for b in buffers for c in b.reshape(-1).split(1 << 20)):
                     raise RoundFailed("the all-reduce returned non-finite values")
 
     @contextlib.contextmanager
@@ -244,11 +258,10 @@ class Averagers:
         """The last successful all-reduce's averages, per averager, in place (under the averagers' locks)."""
         with contextlib.ExitStack() as stack:
             buffers = [stack.enter_context(averager.get_tensors()) for averager in self.list]
-            if self.shapes is not None:  # views of the flat buffer, shaped like the inputs
-                buffers = [[piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]),
-                                                                      shapes, strict=True)]
-                           for (flat,), shapes in zip(buffers, self.shapes, strict=True)]
-            yield buffers
+            # views of each flat buffer, shaped like the inputs
+            yield [[piece.view(shape) for piece, shape in zip(flat.split([s.numel() for s in shapes]), shapes,
+                                                              strict=True)]
+                   for (flat,), shapes in zip(buffers, self.shapes, strict=True)]
 
     def download(self, index: int, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]]:
         """(metadata, tensors) from averager ``index``'s counterpart on ``peer_id``, at most the size of our own

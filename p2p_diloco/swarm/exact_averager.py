@@ -37,11 +37,13 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import as_aiter, azip
 
 from ..outer.aggregation import Policy
+from ..runtime import heap
 from .data_auth import DataAuthError, DataPeer, verify_advertisement
 from .data_server import DataServer
 from .fastpath import FastAllReduce
 from .led_matchmaking import designate
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
+from .source_channel import cut
 from .state_push import PushMixin, read_state
 from .workspace import Workspace
 
@@ -110,6 +112,7 @@ class ExactAverager(PushMixin, DecentralizedAverager):
     codec = None  # the run's Codec, used by the data plane
     _data_server = None
     _workspace = None  # the data plane's buffers, kept from one all-reduce to the next (workspace.py)
+    source_channel = None  # the host's copy of each attempt's input (source_channel.py), set before the fork
     state_provider = None  # host-side callable returning (metadata, tensors); set before the averager starts
     # Fault hooks of the real-process tests (tests/swarm/faulty_peer.py sets them before the averager forks): seconds
     # slept before sending each all-reduce part, and before each chunk of a state download we serve. 0 in a run.
@@ -146,6 +149,12 @@ class ExactAverager(PushMixin, DecentralizedAverager):
         gathered = {pid: data for pid, data in gathered.items() if pid.to_base58() not in lost}
         return {"gathered": gathered, "group_size": group_info.group_size - len(lost), **self._last_stats}
 
+    def _in_place(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether the data plane averages in ``tensors`` (our shared buffer) itself: one contiguous fp32 vector,
+        and a host that can give our input back for a repair (source_channel.py)."""
+        return (self.source_channel is not None and len(tensors) == 1 and tensors[0].dtype == torch.float32
+                and tensors[0].is_contiguous())
+
     def _data_peers(self, group_info: GroupInfo) -> list[DataPeer] | None:
         """Every member's data-plane entry, checked against the peer id it stands for (data_auth.py), or None if
         any member has none (the group then uses libp2p: the same decision on every member, from the same data;
@@ -180,8 +189,19 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             await self._data_server.start()
         if self._workspace is None:
             self._workspace = Workspace()
-        flat = self._workspace.get("flat", sum(t.numel() for t in tensors))  # a copy: the runner averages in place
-        torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=flat)
+        in_place = self._in_place(tensors)
+        if in_place:  # the runner averages in our shared buffer itself; a repair reads our input from the host
+            flat = tensors[0].view(-1)
+            timeout = self.next_chunk_timeout or 10.0
+
+            async def read_source(start: int, stop: int) -> torch.Tensor:
+                return await self.source_channel.read(start, stop, timeout)
+        else:
+            flat = self._workspace.get("flat", sum(t.numel() for t in tensors))  # a copy: averaged in place
+            torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors], out=flat)
+
+            async def read_source(start: int, stop: int) -> torch.Tensor:
+                return cut(tensors, start, stop)
         cuts = torch.tensor([0.0, *peer_fractions]).cumsum(0) / max(sum(peer_fractions), 1e-9) * flat.numel()
         # slices start on the codec's chunk boundaries (topk: its error feedback cut the same chunks, so the slices'
         # encodings lose nothing more); 1 for the other codecs
@@ -190,7 +210,8 @@ class ExactAverager(PushMixin, DecentralizedAverager):
         bounds[-1] = flat.numel()
         runner = FastAllReduce(group_info.group_id, group_info.peer_ids.index(self.peer_id), peers, flat,
                                bounds, weight, self.codec, chunk_timeout=self.next_chunk_timeout or 10.0,
-                               key=self.data_key, policy=self.policy, workspace=self._workspace, source=tensors)
+                               key=self.data_key, policy=self.policy, workspace=self._workspace,
+                               read_source=read_source)
         runner.part_delay = self.part_delay
         self._attempt_runners += (runner,)
         self._data_server.register(runner)
@@ -199,12 +220,16 @@ class ExactAverager(PushMixin, DecentralizedAverager):
                                    wait_timeout=self._allreduce_timeout or 60.0)
         finally:
             self._data_server.unregister(runner)
-            if not runner.settled:  # its reduction still runs in a thread after an abort: leave it its buffers
+            if not runner.settled:  # its reduction still runs in a thread after an abort: leave it its buffers,
                 self._workspace = None
-        offset = 0
-        for t in tensors:
-            t.copy_(out[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+                if in_place:  # and our shared buffer only once it is done (the host writes the next input there)
+                    await runner.settle()
+        heap.trim_in_background()  # this all-reduce's freed memory, before the host's next round (runtime/heap.py)
+        if not in_place:
+            offset = 0
+            for t in tensors:
+                t.copy_(out[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
         excluded = {group_info.peer_ids[i].to_base58(): reason for i, reason in runner.excluded.items()}
         repair = runner.repair
         self._last_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received,

@@ -21,7 +21,7 @@ import concurrent.futures
 import functools
 import socket
 import time
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 import torch
 
@@ -47,16 +47,16 @@ class FastAllReduce:
         group_id: the group's random id (the pair keys are bound to it).
         index: our position in ``peers``.
         peers: every member as its verified advertisement says (data_auth.py), in the group's order.
-        flat: our flat fp32 vector; ``bounds[i]:bounds[i + 1]`` is reducer i's slice. Overwritten with the result,
-            each slice once our part of it is out: pass a copy.
+        flat: our flat fp32 vector; ``bounds[i]:bounds[i + 1]`` is reducer i's slice. Overwritten with the result
+            (each slice once our part of it is out), our own slice by its reduction.
         weight: our weight in the average.
         codec: the run's codec.
         chunk_timeout: the longest silence tolerated on any connection.
         key: our data-plane key (its public half is ``peers[index].public``).
         policy: how our slice's contributions are validated and combined (aggregation.py).
-        workspace: where the parts we receive and our reduction go (workspace.py); a new one if None.
-        source: the tensors ``flat`` was cut from, left untouched until we return: a dead member's slice is
-            re-reduced from them (slice_repair.py). None: a death fails the all-reduce.
+        workspace: where the parts we receive go (workspace.py); a new one if None.
+        read_source: ``await read_source(start, stop)``: values ``start:stop`` of ``flat`` as it was (a dead
+            member's slice is re-reduced from them: slice_repair.py, source_channel.py). None: a death fails.
 
     ``bytes_sent`` / ``bytes_received`` count every byte of this all-reduce's connections as the kernel takes or
     gives it: a sender's header, the sealed parts and answers, the reply headers; not the header of a sender's
@@ -67,7 +67,7 @@ class FastAllReduce:
     def __init__(self, group_id: bytes, index: int, peers: Sequence[DataPeer], flat: torch.Tensor,
                  bounds: Sequence[int], weight: float, codec: Codec, chunk_timeout: float, key: DataKey,
                  policy: Policy = Policy(), workspace: Workspace | None = None,
-                 source: Sequence[torch.Tensor] | None = None):
+                 read_source: Callable[[int, int], Awaitable[torch.Tensor]] | None = None):
         self.group_id, self.key, self.index = group_id, group_key(group_id), index
         self.peers, self.data_key = list(peers), key
         self.addresses = [p.address for p in self.peers]
@@ -75,15 +75,13 @@ class FastAllReduce:
         self.chunk_timeout = chunk_timeout
         self.part_delay = 0.0
         self.flat, self.bounds, self.weight, self.codec = flat, list(bounds), weight, codec
-        self.source = source
+        self.read_source = read_source
         self.n = len(self.peers)
         self.output = flat  # (in place: no second vector of the model's size to fault in and hold)
         self.workspace = workspace if workspace is not None else Workspace()
         self._jobs: list[concurrent.futures.Future] = []  # our work in threads: it reads and writes the workspace
         self._serving: set[asyncio.Task] = set()  # the data port's tasks that serve our slice
-        # Every member's contribution to our slice is kept until all are in, then validated and combined: a bad
-        # one is left out instead of summed in (memory: group size x our slice).
-        self.policy = policy
+        self.policy = policy  # every contribution to our slice is kept until all are in, then validated and combined
         self.contributions = [Contribution(index, self._slice(flat, index).to(torch.float32), weight)]
         self.excluded: dict[int, str] = {}  # {member index: reason} of the contributions left out
         self.chunk_rms: dict[int, list[float]] = {}  # {member index: the RMS of each REDUCE_CHUNK of its part}
@@ -134,6 +132,10 @@ class FastAllReduce:
         job = executor().submit(fn, *args)
         self._jobs.append(job)
         return asyncio.wrap_future(job)
+
+    async def settle(self) -> None:
+        """Wait until no work of ours is left in a thread (it may write into our output until then)."""
+        await asyncio.gather(*(asyncio.wrap_future(job) for job in self._jobs), return_exceptions=True)
 
     @property
     def settled(self) -> bool:
@@ -257,7 +259,8 @@ class FastAllReduce:
         aggregate, or None if a chunk had no valid contribution. Exclusions go to :attr:`excluded`."""
         contributions = sorted(contributions, key=lambda c: c.sender)  # same bytes whatever the arrival order
         numel = contributions[0].tensor.numel()
-        reduced = self.workspace.get(out, numel)
+        # our own slice in place: a chunk is written once every contribution's chunk (ours: a view of it) was read
+        reduced = self._slice(self.output, self.index) if out == "reduced" else self.workspace.get(out, numel)
         for start in range(0, numel, REDUCE_CHUNK):
             stop = min(start + REDUCE_CHUNK, numel)
             chunk = [Contribution(c.sender, c.tensor[start:stop], c.weight) for c in contributions]
@@ -284,7 +287,7 @@ class FastAllReduce:
             return self.repair is not None
         self.dead[j] = reason
         failed = self.averaged.done() and self.averaged.exception() is not None
-        if len(self.dead) > 1 or self.n < 3 or self.source is None or failed:
+        if len(self.dead) > 1 or self.n < 3 or self.read_source is None or failed:
             self.abort(f"member {j} died ({reason}) and its slice cannot be re-reduced: {sorted(self.dead)} dead")
             return False
         self.repair = SliceRepair(self, j)

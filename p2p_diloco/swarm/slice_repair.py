@@ -10,9 +10,9 @@ survivor's claim (a part of the dead member's slice sent to it for re-reduction)
   slice is the exact weighted average of the parts it names. Nothing of those slices crosses the network again:
   making them all exclude the dead member would mean answering every survivor again, half of the all-reduce.
 * the dead member's slice is re-reduced by the survivor with the lowest index: every other survivor sends it its
-  own part of that slice, re-encoded from the untouched source tensors (the vector averaged in place may hold
-  half of the dead reducer's answer), and receives the average. Only that slice crosses the network again:
-  N - 2 parts up and N - 2 answers down, 1/N of the all-reduce's bytes.
+  own part of that slice, re-encoded from its input as it was (the vector averaged in place may hold half of
+  the dead reducer's answer: the part is read from the host, source_channel.py), and receives the average. Only
+  that slice crosses the network again: N - 2 parts up and N - 2 answers down, 1/N of the all-reduce's bytes.
 
 Every survivor decodes the same bytes of every slice, so theta stays bit-identical. A survivor that had finished
 before it learnt of the death holds the dead reducer's own answer instead: its digest differs, the commit step
@@ -24,7 +24,7 @@ member out of the gathered members: exact_averager.py).
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -32,17 +32,6 @@ from ..outer.aggregation import Contribution
 from .data_auth import DataAuthError
 from .data_wire import Sender
 from .sockets import FastPathError, view_of
-
-
-def cut(tensors: Sequence[torch.Tensor], start: int, stop: int) -> torch.Tensor:
-    """Values ``start:stop`` of the flat fp32 vector that ``tensors`` make end to end (a new tensor)."""
-    pieces, offset = [], 0
-    for t in tensors:
-        lo, hi = max(start, offset), min(stop, offset + t.numel())
-        if lo < hi:
-            pieces.append(t.detach().reshape(-1)[lo - offset:hi - offset].to(torch.float32))
-        offset += t.numel()
-    return torch.cat(pieces) if pieces else torch.empty(0)
 
 
 class SliceRepair:
@@ -64,9 +53,9 @@ class SliceRepair:
         self.served = 0
         self._reducing = False
 
-    def _own_part(self) -> torch.Tensor:
+    async def _own_part(self) -> torch.Tensor:
         bounds = self.allreduce.bounds
-        return cut(self.allreduce.source, bounds[self.dead], bounds[self.dead + 1])
+        return await self.allreduce.read_source(bounds[self.dead], bounds[self.dead + 1])
 
     def authenticate(self, sender: Sender) -> Sender:
         """A survivor's repair connection (its header authenticated by the all-reduce): one each."""
@@ -108,7 +97,7 @@ class SliceRepair:
         re-reducer. Either way the slice's average ends in our output. Raises if the repair fails."""
         ar = self.allreduce
         if ar.index == self.reducer:
-            self.contributions.append(Contribution(ar.index, self._own_part(), ar.weight))
+            self.contributions.append(Contribution(ar.index, await self._own_part(), ar.weight))
             await self._reduce_when_complete()
             try:  # the others send at once, each on its own observation or on a survivor's claim
                 encoded = await asyncio.wait_for(asyncio.shield(self.averaged), ar.chunk_timeout)
@@ -119,9 +108,9 @@ class SliceRepair:
             if len(self.survivors) > 1:
                 await asyncio.wait_for(asyncio.shield(self.all_served), ar.wait_timeout)
             return
-        data = ar._receive_buffer(self.dead)
+        data, part = ar._receive_buffer(self.dead), await self._own_part()
         try:
-            await ar.exchange(self.reducer, self.dead, view_of(ar.codec.encode(self._own_part())), data, also=self)
+            await ar.exchange(self.reducer, self.dead, view_of(ar.codec.encode(part)), data, also=self)
         except ConnectionError as e:
             raise FastPathError(f"the re-reducer {self.reducer} of slice {self.dead} dropped us: {e}") from None
         ar._decode_into(data, self.dead)

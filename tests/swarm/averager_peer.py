@@ -264,6 +264,8 @@ def main() -> None:
     p.add_argument("--expect", type=int, default=None,
                    help="the group size this peer asks for (default: group_size, the number of peers)")
     p.add_argument("--step-timeout", type=float, default=15.0, help="each attempt's step timeout")
+    p.add_argument("--in-place", action="store_true",
+                   help="as swarm/averagers.py: one flat shared buffer, averaged in place, the input kept by the host")
     args = p.parse_args()
     import hivemind
 
@@ -294,7 +296,9 @@ def main() -> None:
                        identity_path=identity.path, check_if_identity_free=False)  # fresh: as a peer (swarm.py)
     identity.close()  # p2pd has read it
     print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
-    av = ExactAverager(make_tensors(args.index, args.codec), dht, start=False, prefix="avgtest",
+    mine = make_tensors(args.index, args.codec)
+    flat = [torch.cat([t.reshape(-1) for t in mine])] if args.in_place else mine
+    av = ExactAverager(flat, dht, start=False, prefix="avgtest",
                        min_matchmaking_time=5.0, request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0,
                        part_size_bytes=2**16,
                        compression=compression_for(args.codec, 2**16))
@@ -310,7 +314,14 @@ def main() -> None:
         av.codec, av.data_socket, av.data_key = get_codec(args.codec), listen_socket("127.0.0.1"), DataKey()
         me = DataPeer(identity.peer_id, f"127.0.0.1:{av.data_socket.getsockname()[1]}", av.data_key.public)
         gather["data"] = advertise(identity.sign, identity.public_key, av.prefix, me)
+    if args.in_place:
+        from p2p_diloco.swarm.source_channel import SourceChannel
+
+        av.source_channel = SourceChannel()
     av.run_in_background(await_ready=True, timeout=30)
+    if args.in_place:
+        av.source_channel.serve()
+        av.source_channel.set_inputs(mine)  # the host's copy, unchanged through every attempt
     if args.lead or args.follow:
         take_turn(args.out, args.group_size, args.lead)
     t0 = time.monotonic()
@@ -321,8 +332,8 @@ def main() -> None:
         # A retry is needed in practice: hivemind's matchmaking can assemble a group that one follower never hears
         # of (its join stream is reset), and then the others' all-reduce aborts for want of its parts.
         with av.get_tensors() as ts:
-            for t, mine in zip(ts, make_tensors(args.index, args.codec)):
-                t.copy_(mine)
+            torch.cat([t.reshape(-1) for t in mine], out=ts[0]) if args.in_place else [
+                t.copy_(m) for t, m in zip(ts, mine)]
         av.set_round_params("0110", args.expect or args.group_size, timeout=10)
         try:
             result = av.step(weight=float(args.index + 1), timeout=args.step_timeout, allow_retries=False,
@@ -334,6 +345,8 @@ def main() -> None:
                 break
     if result is not None:
         with av.get_tensors() as ts:
+            if args.in_place:  # (shaped as the tensors: what the tests compare with)
+                ts = [piece.view_as(t) for piece, t in zip(ts[0].split([t.numel() for t in mine]), mine)]
             torch.save([t.clone() for t in ts], args.out + ".pt")
             out = {"ok": True, "digest": digest(ts), "group_size": result["group_size"], "attempts": len(errors) + 1,
                    "bytes_sent": result["bytes_sent"], "bytes_received": result["bytes_received"],

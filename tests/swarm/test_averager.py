@@ -190,6 +190,27 @@ def test_peer_death_mid_allreduce_over_tcp_leaves_the_survivors_one_result(tmp_p
                for r in results.values()), results
 
 
+def test_a_death_mid_allreduce_in_place_repairs_from_the_hosts_copy_of_the_input(tmp_path, reap):
+    """As the test above, with the averagers' layout of a real peer (swarm/averagers.py): one flat shared buffer
+    that the data plane averages in place, so a survivor's own part of the dead member's slice is read back from
+    its host (swarm/source_channel.py). Every value of the survivors' result is the exact weighted average of
+    the parts its slice's reducer held: over the three members (a part that arrived whole before the victim
+    died) or over the two survivors (the re-reduced slice, and any slice the victim's part never reached). A
+    part read from the overwritten buffer instead would be neither."""
+    n = 3
+    results = _run(tmp_path, n, reap, victim=2, transport="tcp", extra={i: ["--in-place"] for i in range(n)})
+    assert all(r["ok"] for r in results.values()), results
+    assert len({r["digest"] for r in results.values()}) == 1
+    assert all(r["group_size"] == 2 for r in results.values()), results
+    got = torch.cat([t.flatten() for t in torch.load(tmp_path / "p0.pt")])
+    every = torch.cat([t.flatten() for t in _expected_average(n)])
+    # (weights 1 and 2 capped at their lower median, 1: aggregation.py)
+    survivors = torch.cat([(a.flatten() + b.flatten()) / 2 for a, b in zip(make_tensors(0), make_tensors(1))])
+    close = lambda want: (got - want).abs() <= 1e-5 * (1 + want.abs())  # noqa: E731
+    assert bool((close(every) | close(survivors)).all())
+    assert bool(close(survivors).any())  # (the re-reduced slice at least)
+
+
 def test_peers_asking_for_different_group_sizes_never_form_a_group(tmp_path, reap):
     """Issues 17 (point 3) and 20, with real hivemind matchmaking: peer 0 asks for a group of 2 and starts looking
     first (it would lead), peer 1 asks for 3. hivemind's follower takes whatever group its leader sends: before

@@ -25,6 +25,15 @@ def _vectors(n, numel=50_000):
     return [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
+def _reader(vector):
+    """A member's input as it was (what the averager asks its host for: source_channel.py)."""
+    original = vector.clone()
+
+    async def read(start, stop):
+        return original[start:stop].clone()
+    return read
+
+
 async def _members(n, codec, vectors, weights, group_id, chunk_timeout=2.0, policy=None, encrypt=False,
                    source=False):
     socks = [listen_socket("127.0.0.1") for _ in range(n)]
@@ -39,7 +48,8 @@ async def _members(n, codec, vectors, weights, group_id, chunk_timeout=2.0, poli
     bounds = [min(numel, round(numel * i / n / codec.align) * codec.align) for i in range(n)] + [numel]
     # (clones: a runner writes the result into the vector it is given)
     runners = [FastAllReduce(group_id, i, peers, vectors[i].clone(), bounds, weights[i], codec, chunk_timeout, keys[i],
-                             **({"policy": policy} if policy else {}), source=[vectors[i]] if source else None)
+                             **({"policy": policy} if policy else {}),
+                             read_source=_reader(vectors[i]) if source else None)
                for i in range(n)]
     for server, runner in zip(servers, runners):
         server.register(runner)
@@ -205,9 +215,10 @@ def test_a_reducer_that_leaves_right_after_its_run_has_answered_everyone(monkeyp
 
 @pytest.mark.parametrize("codec", ["none", "int8"])
 def test_a_workspace_serves_one_all_reduce_after_another(codec):
-    """Each member keeps its workspace (the parts it receives, its reduction, the answers it decodes) from one
-    all-reduce to the next, as an averager does: the second all-reduce reuses the same memory (nothing new to fault
-    in) and averages its own vectors, with nothing of the first one's left in it."""
+    """Each member keeps its workspace (the parts it receives, the answers it decodes) from one all-reduce to the
+    next, as an averager does: the second all-reduce reuses the same memory (nothing new to fault in) and averages
+    its own vectors, with nothing of the first one's left in it. Its own slice is reduced in its vector: no
+    workspace buffer for it."""
     from p2p_diloco.swarm.workspace import Workspace
 
     async def main():
@@ -224,10 +235,10 @@ def test_a_workspace_serves_one_all_reduce_after_another(codec):
         return outs, pointers
 
     outs, pointers = asyncio.run(main())
-    for i, buffers in enumerate(pointers[1]):  # the others' parts of our slice, our reduction, the answers
+    for i, buffers in enumerate(pointers[1]):  # the others' parts of our slice, the answers
         others = [j for j in range(3) if j != i]
         answers = [] if codec == "none" else [f"answer{j}" for j in others]  # (fp32 lands in the vector itself)
-        assert sorted(buffers) == sorted([f"part{j}" for j in others] + ["reduced"] + answers)
+        assert sorted(buffers) == sorted([f"part{j}" for j in others] + answers)
     assert pointers[0] == pointers[1]
     for vectors, results in outs:
         assert all(torch.equal(results[0], r) for r in results[1:])

@@ -110,6 +110,7 @@ class _Averager:
 
     def __init__(self, counts, error=None, alive=True):
         self.counts, self.error, self.alive, self.tensors = counts, error, alive, [torch.zeros(3)]
+        self.source_channel = SimpleNamespace(set_inputs=lambda tensors: None)  # (source_channel.py's host side)
 
     def set_round_params(self, *args, **kwargs):
         pass
@@ -135,6 +136,7 @@ def _averagers(*members):
     av = Averagers.__new__(Averagers)
     av.cfg = SimpleNamespace(debug=SimpleNamespace(corrupt_pseudo_gradient=0.0))
     av.list, av.adverts, av.p2p_only_round = list(members), [None] * len(members), -1
+    av.sources, av.shapes = [m.source_channel for m in members], [[torch.Size([3])] for _ in members]
     return av
 
 
@@ -166,3 +168,23 @@ def test_a_completed_all_reduce_refused_as_non_finite_reports_its_bytes():
     with pytest.raises(RoundFailed, match="non-finite") as e:  # (the buffers hold what the step averaged)
         _all_reduce(_averagers(averager), value=float("nan"))
     assert (e.value.bytes_sent, e.value.bytes_received) == (70, 60)
+
+
+def test_the_host_offers_an_attempts_input_to_its_averager_only_while_it_runs():
+    """source_channel.py: during the step, the averager can read back the caller's own tensors (a repair); once
+    the attempt is over, failed or not, nothing (the caller may free or reuse its buffer)."""
+    offered = []
+    averager = _Averager((0, 0))
+    averager.source_channel = SimpleNamespace(set_inputs=offered.append)
+    done = {"gathered": {}, "group_size": 2, "bytes_sent": 0, "bytes_received": 0}
+    for step in (lambda **kwargs: _Control(AllreduceException("reducer X failed")),
+                 lambda **kwargs: SimpleNamespace(began_allreduce=True, result=lambda timeout=None: done)):
+        averager.step, offered[:] = step, []
+        mine = [torch.full((3,), 2.0)]
+        try:
+            _averagers(averager).all_reduce(3, [mine], 1.0, 2, {"round": 3}, lambda: False, lambda: None, 1.0, 1.0,
+                                            1.0)
+        except RoundFailed:
+            pass
+        assert len(offered) == 2 and offered[0] is mine and offered[1] is None
+        assert torch.equal(averager.tensors[0], torch.full((3,), 2.0))  # (what the step averaged in place)
