@@ -70,6 +70,9 @@ class ShardedState(GlobalState):
     def tensors_like(self) -> Tensors:
         return self.outer.theta
 
+    def held_tensors(self) -> Tensors:
+        return [*self.outer.optimizer.state_tensors(), *self.rank.buffer]
+
     def donate(self, *shard: int) -> tuple[dict, Tensors]:
         return self.rank.provider(shard[0])
 
