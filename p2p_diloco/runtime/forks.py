@@ -18,7 +18,6 @@ host's thread and sent through a pipe (:meth:`~p2p_diloco.swarm.exact_averager.E
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import threading
 import weakref
@@ -27,8 +26,6 @@ from typing import Iterable
 import torch
 
 from . import heap
-
-log = logging.getLogger("p2p_diloco.runtime")
 
 MADV_DONTNEED = 4  # <sys/mman.h> on Linux
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -76,7 +73,7 @@ def _drop_in_child() -> None:
     seen = set()
     for ref in _kept_out:  # no lock: the child has one thread, and a parent thread holding it is gone
         t = ref()
-        if t is None:
+        if t is None or t.device.type != "cpu":  # (freed, or moved to a device since it was named)
             continue
         storage = t.untyped_storage()
         ptr = storage.data_ptr()

@@ -11,12 +11,11 @@ trimmed between its phases: the next inner step would fault its gradients and ac
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import threading
 
 _malloc_trim = None
-try:
-    _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
+try:  # (the process's own symbols: libc is loaded; find_library would run ldconfig at every import)
+    _malloc_trim = ctypes.CDLL(None).malloc_trim
     _malloc_trim.argtypes, _malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
 except (OSError, AttributeError):  # not glibc: nothing to give back this way
     pass

@@ -169,6 +169,18 @@ class Averagers:
         """
         controls = []
         t0 = time.monotonic()
+        try:
+            self._start_steps(controls, round_, groups, weight, group_size, gather, matchmaking_time, allreduce_timeout,
+                              look, shards, leader)
+            return self._wait(controls, round_, shards, t0, look, allreduce_timeout, should_stop, on_running)
+        finally:
+            for source in self.sources:  # the caller may free or reuse its buffer now
+                source.set_inputs(None)
+
+    def _start_steps(self, controls: list, round_: int, groups: Sequence[Sequence[torch.Tensor]], weight: float,
+                     group_size: int, gather: dict[str, Any], matchmaking_time: float, allreduce_timeout: float,
+                     look: float, shards: Sequence[int] | None, leader: str | None) -> None:
+        """Each averager's step of one attempt, started with our input in its buffer (appended to ``controls``)."""
         for averager, tensors, advert in zip(self.list, groups, self.adverts, strict=True):
             averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
                                       allreduce_timeout=allreduce_timeout, leader=None if shards else leader)
@@ -182,11 +194,6 @@ class Averagers:
             controls.append(averager.step(gather=mine, weight=float(weight), timeout=look, allow_retries=False,
                                           wait=False))
             gather = {k: gather[k] for k in ("round", "peer") if k in gather}  # the other shards' members need no more
-        try:
-            return self._wait(controls, round_, shards, t0, look, allreduce_timeout, should_stop, on_running)
-        finally:
-            for source in self.sources:  # the caller may free or reuse its buffer now
-                source.set_inputs(None)
 
     def _wait(self, controls: list, round_: int, shards: Sequence[int] | None, t0: float, look: float,
               allreduce_timeout: float, should_stop: Callable[[], bool], on_running: Callable[[], None]

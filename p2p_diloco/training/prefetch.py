@@ -14,13 +14,17 @@ resumed peer continues exactly where training was (the batches made ahead are ma
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from typing import Any
 
 import torch
 
+log = logging.getLogger("p2p_diloco.training")
+
 PUT_POLL = 0.1  # seconds between the worker's checks of a stop request while the queue is full
+HALT_TIMEOUT = 60.0  # seconds a stop request waits for the worker to finish the batch it is making
 
 
 class Prefetcher:
@@ -69,7 +73,11 @@ class Prefetcher:
         self._start()
 
     def close(self) -> None:
-        self._halt()
+        try:
+            self._halt()
+        except RuntimeError as e:  # (at shutdown: say so and go on; the daemon thread ends with the process)
+            log.warning("%s", e)
+            return
         self.stream.close()
 
     def _start(self) -> None:
@@ -79,12 +87,16 @@ class Prefetcher:
         self._thread.start()
 
     def _halt(self) -> None:
-        """Stop the worker and wait for it (it finishes the batch it is making, then sees the request)."""
+        """Stop the worker and wait for it (it finishes the batch it is making, then sees the request), at most
+        ``HALT_TIMEOUT`` s: a worker stuck in the stream (a streaming dataset's read that hangs) is an error, not a
+        wait without end; the stream is then left to it."""
         if self._thread is None:
             return
         self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+        self._thread.join(HALT_TIMEOUT)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the data prefetch thread did not stop within {HALT_TIMEOUT:.0f} s (stuck reading "
+                               "the dataset)")
         self._thread = None
 
     def _work(self, out: queue.Queue) -> None:

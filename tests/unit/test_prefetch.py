@@ -91,3 +91,33 @@ def test_close_stops_the_worker():
     assert worker.is_alive()
     ahead.close()
     assert not worker.is_alive()
+
+
+class _Stuck(_Failing):
+    """A stream whose second read never returns (a streaming dataset that hangs)."""
+
+    def __init__(self, release):
+        super().__init__()
+        self.release = release
+
+    def next_batch(self):
+        if self.made >= 1:
+            self.release.wait()
+        return super().next_batch()
+
+
+def test_a_worker_stuck_in_the_stream_fails_a_resume_instead_of_waiting_for_ever(monkeypatch):
+    import threading
+
+    from p2p_diloco.training import prefetch
+
+    monkeypatch.setattr(prefetch, "HALT_TIMEOUT", 0.3)
+    release = threading.Event()
+    ahead = Prefetcher(_Stuck(release), depth=1)
+    try:
+        ahead.next_batch()
+        with pytest.raises(RuntimeError, match="did not stop within"):
+            ahead.load_state_dict({"made": 0})
+        ahead.close()  # (says so, does not raise)
+    finally:
+        release.set()
