@@ -12,15 +12,19 @@ Arms, run one after the other ``--pairs`` times (bare first), each in its own pr
 
 Both use the same model, batch (``data.batch_size`` x ``data.seq_len``), dtype (fp32 on CPU: autocast off) and
 torch threads (``--threads``). Memory: the peak PSS (proportional set size: shared pages counted once) of each
-arm's whole process tree (the peer: its main process, DHT, averager and p2pd), sampled every second.
+arm's whole process tree (the peer: its main process, DHT, averager and p2pd), sampled every second, in
+``--memory-pairs`` pairs of their own after the speed pairs. Not in the speed pairs: reading ``smaps_rollup`` walks
+a process's page tables (8.6 ms of CPU for the peer's main process, 16 ms a sample for its whole tree), which took
+2.4 % from the peer's tokens/s on this 2-core machine (3 runs each way, 2026-12-06) and less from the bare loop's.
 
 Printed: every run, then the means. Last lines: ``mfu_peer=<a> mfu_bare=<b>`` when the device's peak is known (a
 listed GPU or ``--set train.peak_tflops=...``; ``scripts/gpu-check.sh`` reads it), ``pss_peer_over_bare=<m>``
-(issue 22's goal: <= 1.5) and ``inner_over_bare=<x>``, the mean of the pairs' ratios of tokens/s (goal: >= 0.98).
+(issue 22's goal: <= 1.5; only with ``--memory-pairs`` >= 1) and ``inner_over_bare=<x>``, the mean of the speed
+pairs' ratios of tokens/s (goal: >= 0.98).
 ``--set train.device=cuda`` runs both arms on the GPU (bf16 autocast, as the product's default there).
 
 Usage: ``python -m benchmarks.inner [--quick]`` (``--quick``: 2 pairs of 3 rounds of H = 100; the full run 3 pairs
-of 5 rounds); ``--set`` changes the model or the batch of both arms.
+of 5 rounds; then one memory pair); ``--set`` changes the model or the batch of both arms.
 """
 
 from __future__ import annotations
@@ -103,12 +107,16 @@ def _pss(pid: int) -> int:
     return 0
 
 
-def _peak_pss(proc: subprocess.Popen | PeerProcess, timeout: float) -> int:
-    """Wait for ``proc`` (at most ``timeout`` s), sampling the summed PSS of its process tree; the peak."""
+def _peak_pss(proc: subprocess.Popen | PeerProcess, timeout: float, sample: bool) -> int:
+    """Wait for ``proc`` (at most ``timeout`` s); with ``sample``, sampling the summed PSS of its process tree: the
+    peak (else 0)."""
     root, peak, deadline = psutil.Process(proc.pid), 0, time.monotonic() + timeout
     while proc.poll() is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the run did not end within {timeout:.0f} s")
+        if not sample:
+            time.sleep(0.2)
+            continue
         try:
             pids = [root.pid, *(p.pid for p in root.children(recursive=True))]
         except psutil.Error:
@@ -118,11 +126,11 @@ def _peak_pss(proc: subprocess.Popen | PeerProcess, timeout: float) -> int:
     return peak
 
 
-def run_bare(args: argparse.Namespace, steps: int) -> dict:
+def run_bare(args: argparse.Namespace, steps: int, sample: bool) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.inner", "--bare-worker", "--steps", str(steps), "--warmup",
            str(args.inner_steps), "--threads", str(args.threads), *(a for s in args.sets for a in ("--set", s))]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = _peak_pss(proc, timeout=600)
+    peak = _peak_pss(proc, timeout=600, sample=sample)
     out, err = proc.communicate()
     values = dict(ln.split("=", 1) for ln in out.splitlines() if "=" in ln)
     if proc.returncode != 0 or "tokens_per_s" not in values:
@@ -131,14 +139,14 @@ def run_bare(args: argparse.Namespace, steps: int) -> dict:
             "mfu": float(values["mfu"]) if "mfu" in values else None}
 
 
-def run_peer(args: argparse.Namespace, log_dir: Path) -> dict:
+def run_peer(args: argparse.Namespace, log_dir: Path, sample: bool) -> dict:
     log_dir.mkdir(parents=True)
     cmd = ["join", "--run-id", f"inner-{int(time.time() * 1000)}", "--max-rounds", str(args.rounds),
            "--inner-steps", str(args.inner_steps), "--log-dir", str(log_dir), "--set",
            f"train.threads={args.threads}", *(a for s in [*PEER, *args.sets] for a in ("--set", s))]
     proc = PeerProcess(cmd, cwd=REPO, env={"P2P_DILOCO_INITIAL_PEERS": None}, stderr=log_dir / "stderr.log")
     try:
-        peak = _peak_pss(proc, timeout=120 + args.rounds * args.inner_steps * 2.0)
+        peak = _peak_pss(proc, timeout=120 + args.rounds * args.inner_steps * 2.0, sample=sample)
     finally:
         stop_all([proc], grace=20)
     if proc.returncode != 0:
@@ -155,7 +163,8 @@ def run_peer(args: argparse.Namespace, log_dir: Path) -> dict:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 pairs of 3 rounds (the full run: 3 pairs of 5)")
-    ap.add_argument("--pairs", type=int)
+    ap.add_argument("--pairs", type=int, help="speed pairs (unsampled)")
+    ap.add_argument("--memory-pairs", type=int, default=1, help="pairs whose peak PSS is sampled (0: none)")
     ap.add_argument("--rounds", type=int, help="the peer's rounds (the first is left out)")
     ap.add_argument("--inner-steps", type=int, default=100, help="H (also the bare loop's warm-up steps)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of both arms")
@@ -184,18 +193,24 @@ def main(argv: list[str] | None = None) -> int:
     ratios, pss, mfus = [], [], []
     with tempfile.TemporaryDirectory(prefix="p2p-diloco-inner-") as root:
         for i in range(args.pairs):
-            bare = run_bare(args, steps)
-            peer = run_peer(args, Path(root) / f"peer{i}")
+            bare = run_bare(args, steps, sample=False)
+            peer = run_peer(args, Path(root) / f"peer{i}", sample=False)
             ratios.append(peer["tokens_per_s"] / bare["tokens_per_s"])
             if peer["mfu"] is not None and bare["mfu"] is not None:
                 mfus.append((peer["mfu"], bare["mfu"]))
+            print(f"pair {i + 1}: bare {bare['tokens_per_s']:,.0f} tok/s; peer {peer['tokens_per_s']:,.0f} tok/s; "
+                  f"peer/bare {ratios[-1]:.3f}", flush=True)
+        for i in range(args.memory_pairs):
+            bare = run_bare(args, steps, sample=True)
+            peer = run_peer(args, Path(root) / f"memory{i}", sample=True)
             pss.append(peer["peak_pss"] / bare["peak_pss"])
-            print(f"pair {i + 1}: bare {bare['tokens_per_s']:,.0f} tok/s, peak PSS {bare['peak_pss'] / 2**20:,.0f} MiB"
-                  f"; peer {peer['tokens_per_s']:,.0f} tok/s, peak PSS {peer['peak_pss'] / 2**20:,.0f} MiB; "
-                  f"peer/bare {ratios[-1]:.3f} (speed), {pss[-1]:.2f} (memory)", flush=True)
+            print(f"memory pair {i + 1}: peak PSS bare {bare['peak_pss'] / 2**20:,.0f} MiB, peer "
+                  f"{peer['peak_pss'] / 2**20:,.0f} MiB: {pss[-1]:.2f} (tokens/s, sampled: bare "
+                  f"{bare['tokens_per_s']:,.0f}, peer {peer['tokens_per_s']:,.0f})", flush=True)
     if mfus:
         print(f"mfu_peer={statistics.mean(m[0] for m in mfus):.4f} mfu_bare={statistics.mean(m[1] for m in mfus):.4f}")
-    print(f"pss_peer_over_bare={statistics.mean(pss):.2f}")
+    if pss:
+        print(f"pss_peer_over_bare={statistics.mean(pss):.2f}")
     print(f"inner_over_bare={statistics.mean(ratios):.3f}", flush=True)
     return 0
 

@@ -7,7 +7,7 @@
 #                                (about 2 AVX-512 cores' fp32 peak, not measured: a dry run of the script)
 #
 # 1. the bare loop (transformers + fused AdamW, bf16) against a lone peer's inner loop on the same model, batch and
-#    device: tokens/s, MFU and peak memory (benchmarks/inner.py, one pair);
+#    device: tokens/s and MFU (benchmarks/inner.py, one pair; no memory pair: it would take a third of the budget);
 # 2. a 2-peer swarm sharing the one GPU, 2 rounds: both peers must end with one digest.
 # (A 1-rank torchrun peer is the plain peer: local/cluster.py starts local ranks only for WORLD_SIZE > 1, and
 # NCCL cannot put two ranks on one GPU; FSDP2 is covered on CPU by tests/swarm/test_cluster.py.)
@@ -29,7 +29,7 @@ else
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
 fi
 echo "== 1. bare loop against a lone peer (benchmarks/inner.py)"
-"$PY" -m benchmarks.inner --pairs 1 --rounds "$ROUNDS" --inner-steps "$H" --threads "$THREADS" "${SETS[@]}" \
+"$PY" -m benchmarks.inner --pairs 1 --memory-pairs 0 --rounds "$ROUNDS" --inner-steps "$H" --threads "$THREADS" "${SETS[@]}" \
   | tee "$OUT/inner.txt"
 echo "== 2. two peers sharing the device, 2 rounds"
 "$PY" -m p2p_diloco swarm --peers 2 --max-rounds 2 --inner-steps "$H" --run-id gpu-check \

@@ -18,8 +18,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..outer import optimizer as outer
 from ..config import Config, TrainConfig
+from .staging import HostStaging
 
 
 def schedule_horizon(cfg: Config) -> int:
@@ -147,14 +147,15 @@ class Replica:
     def __init__(self, model: torch.nn.Module, trainer: InnerTrainer, autocast: str):
         self.model, self.trainer, self.autocast = model, trainer, autocast
         self.params = list(model.parameters())
+        self.staging = HostStaging(trainer.device)  # pinned, streamed copies on CUDA; none on the CPU
 
     def pseudo_gradient(self, theta: Sequence[torch.Tensor], out: Sequence[torch.Tensor]) -> None:
         """``out = theta - local weights`` (see :func:`p2p_diloco.outer.optimizer.pseudo_gradient`)."""
-        outer.pseudo_gradient(theta, self.params, out)
+        self.staging.pseudo_gradient(theta, self.params, out)
 
     def load(self, theta: Sequence[torch.Tensor]) -> None:
         """Start the next round from theta."""
-        outer.load_into(self.params, theta)
+        self.staging.load(self.params, theta)
 
     def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
         return evaluate(self.model, batches, self.trainer.device, self.autocast)
