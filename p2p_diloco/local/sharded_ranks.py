@@ -13,7 +13,7 @@ joins rank 0's). The round protocol itself (who is live, the group size, straggl
   averages for: :func:`~p2p_diloco.outer.shards.shard_groups_problem`, the same decision on every rank).
   Otherwise none is used and rank 0 retries, as after any failed all-reduce: a peer never applies half a round
   nor signs a round whose shards were averaged with different groups;
-* ``SSTEP``: the outer step on every shard, prepared aside (its digest shared), then committed or discarded once
+* ``SSTEP``: the outer step on every shard, prepared on copies (its digest shared), then committed or discarded once
   the round's certificate is complete or not (global digest = hash of the L shard digests);
 * ``SLOAD``: theta into the model (one collective per parameter);
 * ``SDOWNLOAD``: every rank downloads its shards from the rank of the donor peer that keeps them (the donor
@@ -58,6 +58,7 @@ class ShardedRank:
         self.buffer = [torch.empty_like(t) for t in self.outer.theta]
         self.swarm = None  # set once started (rank 0: the peer's Swarm; others: start_follower_swarm)
         self.main_peer: str | None = None  # rank 0's peer id (the peer's, in its records), once started
+        self.prepared_from = "prepare"  # the last prepare's mode: where commit finds the same delta again
 
     def provider(self, j: int) -> tuple[dict, list[torch.Tensor]]:
         return self.outer.donation(j, self.cfg.fingerprint())
@@ -119,6 +120,7 @@ class ShardedRank:
 
     def _step(self, mode: str, round_: int) -> str | None:
         if mode in ("prepare", "prepare_averaged"):
+            self.prepared_from = mode  # commit steps again from the same delta, in place (ShardedOuter.prepare)
             if mode == "prepare":
                 mine = self.outer.prepare(self.buffer)
             else:
@@ -130,7 +132,11 @@ class ShardedRank:
                     digests[j] = d
             return global_digest(digests)
         if mode == "commit":
-            self.outer.commit(round_)
+            if self.prepared_from == "prepare":
+                self.outer.commit(round_, self.buffer)
+            else:  # the averages are as prepare read them: no all-reduce runs between prepare and commit
+                with self.swarm.averaged() as average:
+                    self.outer.commit(round_, average)
             return self.outer.refresh_digests()
         self.outer.discard()
         return None

@@ -170,8 +170,8 @@ class ShardedOuter:
         self.round = 0
         self.digests: list[str] = [""] * layout.num_shards
         self.digest = ""
-        self.aside: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # theta(round + 1) before it commits
-        self.prepared = False
+        self.prepared: int | None = None  # the state version prepare() stepped from (None: nothing prepared)
+        self.version = 0  # moves whenever theta or the momentum changes (a commit, a download)
         with torch.no_grad():
             self._from_model(params, self.theta, subtract=False)
         # the other ranks' shard digests arrive with the first refresh_digests() (no collective here: rank 0 may
@@ -236,30 +236,42 @@ class ShardedOuter:
             return self.digest
 
     def prepare(self, delta: Sequence[torch.Tensor]) -> dict[int, str]:
-        """The outer step on copies of our shards, held until :meth:`commit` or :meth:`discard`; returns the
-        digests our shards would have (``{j: digest}``)."""
-        with self.lock:
-            if self.aside is None:  # kept between rounds: committing swaps them with ours
-                self.aside = ([torch.empty_like(t) for t in self.theta],
-                              [torch.empty_like(m) for m in self.momentum_buffers])
-            theta, momentum = self.aside
-            for dst, src in zip(theta + momentum, self.theta + self.momentum_buffers):
-                dst.copy_(src)
-        self.optimizer.step_on(theta, momentum, delta)
-        self.prepared = True
-        return {j: shard_digest(theta[k], momentum[k]) for k, j in enumerate(self.owned)}
+        """The digests our shards would have after the outer step with ``delta`` (``{j: digest}``), theta and the
+        momentum left as they are.
 
-    def commit(self, round_: int) -> None:
-        """Take the prepared step (then :meth:`refresh_digests`)."""
-        if not self.prepared or self.aside is None:
-            raise RuntimeError("commit() without prepare()")  # a bug of the caller
+        Shard by shard on copies, dropped once hashed: the step's result is not kept aside (it would be 8 bytes
+        per parameter of our shards, for the whole certification). :meth:`commit` redoes the same arithmetic in
+        place from the same ``delta``, which the caller keeps unchanged until then (the rank's own buffer, or the
+        last all-reduce's average, which stays in the averagers until the next all-reduce)."""
         with self.lock:
-            old = (list(self.theta), list(self.momentum_buffers))
-            self.theta[:], self.momentum_buffers[:] = self.aside  # the same lists: the optimizer's too
-            self.aside, self.round, self.prepared = old, round_, False
+            digests = {}
+            for k, j in enumerate(self.owned):
+                theta, momentum = self.theta[k].clone(), self.momentum_buffers[k].clone()
+                self.optimizer.step_on([theta], [momentum], [delta[k]])
+                digests[j] = shard_digest(theta, momentum)
+                del theta, momentum
+            self.prepared = self.version
+            return digests
+
+    def commit(self, round_: int, delta: Sequence[torch.Tensor]) -> None:
+        """Take the prepared step: the outer step with ``delta``, the same one :meth:`prepare` was given, in place
+        (then :meth:`refresh_digests`, whose global digest the caller checks against the certified one).
+
+        Raises:
+            RuntimeError: nothing prepared, or the state changed since (a download in between): a caller's bug.
+        """
+        with self.lock:
+            if self.prepared is None:
+                raise RuntimeError("commit() without prepare()")
+            if self.prepared != self.version:
+                raise RuntimeError("the outer state changed between prepare() and commit()")
+            for k in range(len(self.owned)):
+                self.optimizer.step_on([self.theta[k]], [self.momentum_buffers[k]], [delta[k]])
+            self.round, self.prepared = round_, None
+            self.version += 1
 
     def discard(self) -> None:
-        self.prepared = False
+        self.prepared = None
 
     def donation(self, j: int, fingerprint: str) -> tuple[dict, list[torch.Tensor]]:
         """What a peer downloading shard ``j`` from us gets: metadata and (theta_j, momentum_j)."""
@@ -296,4 +308,5 @@ class ShardedOuter:
                 self.theta[k].copy_(theta_j)
                 self.momentum_buffers[k].copy_(momentum_j)
             self.round, self.digests = round_, list(digests)
+            self.version += 1
             self.digest = global_digest(self.digests)

@@ -51,9 +51,10 @@ def test_sharded_outer_matches_the_whole_outer_step_bit_for_bit():
         whole.step(delta)
         shard_delta = [torch.empty_like(t) for t in sharded.theta]
         sharded.pseudo_gradient(local, shard_delta)
-        sharded.prepare(shard_delta)
-        sharded.commit(step + 1)
+        prepared = sharded.prepare(shard_delta)
+        sharded.commit(step + 1, shard_delta)
         sharded.refresh_digests()
+        assert [prepared[j] for j in range(4)] == sharded.digests  # prepare said what commit gives
         model = [torch.zeros_like(p) for p in params]
         sharded.load_into(model)
         assert all(torch.equal(a, b) for a, b in zip(model, whole.theta))
@@ -63,6 +64,26 @@ def test_sharded_outer_matches_the_whole_outer_step_bit_for_bit():
     want = [shard_digest(flat[bounds[j]:bounds[j + 1]].clone(), flat_m[bounds[j]:bounds[j + 1]].clone())
             for j in range(4)]
     assert sharded.digest == global_digest(want) == sharded.local_digest()
+
+
+def test_prepare_leaves_the_state_alone_and_commit_refuses_what_was_not_prepared():
+    """The prepared step is not held aside: prepare only hashes it, and commit redoes it in place, from the same
+    state only (a download between the two would step a theta that was not certified)."""
+    params = _params(2)
+    sharded = ShardedOuter(ShardLayout.of(params, 3), Ranks(), params, lr=0.7, momentum=0.9, nesterov=True)
+    before = [t.clone() for t in sharded.theta + sharded.momentum_buffers]
+    delta = [torch.full_like(t, 0.1) for t in sharded.theta]
+    prepared = sharded.prepare(delta)
+    assert all(torch.equal(a, b) for a, b in zip(before, sharded.theta + sharded.momentum_buffers))
+    assert set(prepared) == {0, 1, 2} and all(prepared[j] != sharded.digests[j] for j in range(3))
+    sharded.discard()
+    with pytest.raises(RuntimeError, match="without prepare"):
+        sharded.commit(1, delta)
+    sharded.prepare(delta)
+    sharded.load({0: [sharded.theta[0].clone(), sharded.momentum_buffers[0].clone()]}, 0, sharded.digests)
+    with pytest.raises(RuntimeError, match="changed between prepare"):
+        sharded.commit(1, delta)
+    assert all(torch.equal(a, b) for a, b in zip(before, sharded.theta + sharded.momentum_buffers))
 
 
 def test_global_digest_is_the_same_for_any_number_of_ranks():
