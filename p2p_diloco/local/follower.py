@@ -44,8 +44,8 @@ def follow(cfg: Config, cluster: Cluster) -> None:
     eval_set = eval_batches(tokenizer, cfg.data, cfg.eval.batches) if fsdp else None
     try:
         if outer_shards:
-            start_follower_swarm(outer_shards, cluster, cluster.broadcast_objects([None])[0])
             params = list(model.parameters())  # FSDP2 replaced them with DTensors
+            start_follower_swarm(outer_shards, cluster, cluster.broadcast_objects([None])[0], params)
         while True:
             op, arg = cluster.receive()
             if op == STOP:

@@ -35,6 +35,7 @@ from ..swarm.port import AllReduceRequest
 from .cluster import Cluster
 from .commands import SDOWNLOAD, SLOAD, SPSEUDO, SRESTORE, SSAVE, SSTEP, SSYNC
 from ..errors import RoundFailed
+from ..runtime.forks import keep_out_of_children
 from ..outer.shards import Ranks, ShardedOuter, ShardLayout, global_digest, shard_groups_problem
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ class ShardedRank:
         self.swarm = None  # set once started (rank 0: the peer's Swarm; others: start_follower_swarm)
         self.main_peer: str | None = None  # rank 0's peer id (the peer's, in its records), once started
         self.prepared_from = "prepare"  # the last prepare's mode: where commit finds the same delta again
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Our shards of theta and the momentum, and the pseudo-gradient buffer: no forked child reads them."""
+        return [*self.outer.optimizer.state_tensors(), *self.buffer]
 
     def provider(self, j: int) -> tuple[dict, list[torch.Tensor]]:
         return self.outer.donation(j, self.cfg.fingerprint())
@@ -204,10 +209,15 @@ class ShardedRank:
         return None
 
 
-def start_follower_swarm(rank: ShardedRank, cluster: Cluster, leader_maddrs: list[str]) -> None:
-    """A follower rank's DHT node (joined to rank 0's) and averagers for its shards."""
+def start_follower_swarm(rank: ShardedRank, cluster: Cluster, leader_maddrs: list[str],
+                         params: Sequence[torch.Tensor]) -> None:
+    """A follower rank's DHT node (joined to rank 0's) and averagers for its shards. Like rank 0 (peer/build.py),
+    the processes it forks drop the pages of the model's weights (``params``) and of the outer state at once: they
+    never read them, and each would otherwise keep a private copy of every page the rank writes later."""
     from ..swarm.swarm import Swarm
 
+    # (an FSDP2 parameter is a DTensor: its local shard is not a tensor object that lives on, so it is not named)
+    keep_out_of_children([*(p for p in params if not hasattr(p, "to_local")), *rank.held_tensors()])
     rank.swarm = Swarm(rank.cfg, rank.outer.theta, rank.provider, shards=rank.outer.owned, rank_of=leader_maddrs)
     rank.swarm.start()
     ids = rank.ranks.all_gather(rank.swarm.peer_id)  # rank 0 publishes which peer id serves which shard

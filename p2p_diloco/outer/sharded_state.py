@@ -71,7 +71,7 @@ class ShardedState(GlobalState):
         return self.outer.theta
 
     def held_tensors(self) -> Tensors:
-        return [*self.outer.optimizer.state_tensors(), *self.rank.buffer]
+        return self.rank.held_tensors()
 
     def donate(self, *shard: int) -> tuple[dict, Tensors]:
         return self.rank.provider(shard[0])
