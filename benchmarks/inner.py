@@ -177,6 +177,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds or (3 if args.quick else 5)
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (the first round is left out)")
+    if args.pairs < 1 or args.memory_pairs < 0:
+        ap.error("--pairs must be >= 1 and --memory-pairs >= 0")
     return args
 
 

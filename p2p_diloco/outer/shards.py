@@ -243,15 +243,14 @@ class ShardedOuter:
         per parameter of our shards, for the whole certification). :meth:`commit` redoes the same arithmetic in
         place from the same ``delta``, which the caller keeps unchanged until then (the rank's own buffer, or the
         last all-reduce's average, which stays in the averagers until the next all-reduce)."""
-        with self.lock:
-            digests = {}
-            for k, j in enumerate(self.owned):
-                theta, momentum = self.theta[k].clone(), self.momentum_buffers[k].clone()
-                self.optimizer.step_on([theta], [momentum], [delta[k]])
-                digests[j] = shard_digest(theta, momentum)
-                del theta, momentum
-            self.prepared = self.version
-            return digests
+        digests, version = {}, self.version  # (only this thread changes the state: donations only read it)
+        for k, j in enumerate(self.owned):
+            theta, momentum = self.theta[k].clone(), self.momentum_buffers[k].clone()
+            self.optimizer.step_on([theta], [momentum], [delta[k]])
+            digests[j] = shard_digest(theta, momentum)
+            del theta, momentum
+        self.prepared = version
+        return digests
 
     def commit(self, round_: int, delta: Sequence[torch.Tensor]) -> None:
         """Take the prepared step: the outer step with ``delta``, the same one :meth:`prepare` was given, in place

@@ -16,14 +16,17 @@ pytestmark = pytest.mark.unit
 def _weights(dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Parameters of several shapes (one smaller than a piece, some spanning several) and a theta next to them."""
     g = torch.Generator().manual_seed(0)
-    shapes = [(7, 5), (3,), (64, 9), (1,), (33, 2)]
+    shapes = [(7, 5), (3,), (64, 9), (1,), (33, 2), (), (6, 4)]
     theta = [torch.randn(s, generator=g) for s in shapes]
     params = [torch.nn.Parameter((t + 1e-3 * torch.randn(s, generator=g)).to(dtype)) for t, s in zip(theta, shapes)]
+    # a weight stored transposed (not contiguous: no flat view of it; copied tensor by tensor instead)
+    params[-1] = torch.nn.Parameter(params[-1].detach().t().contiguous().t())
+    assert not params[-1].is_contiguous()
     return params, theta
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk_bytes", [8, 36, 1000, 2**20])
+@pytest.mark.parametrize("chunk_bytes", [1, 8, 36, 1000, 2**20])
 def test_staged_pseudo_gradient_has_the_plain_bits(dtype, chunk_bytes):
     params, theta = _weights(dtype)
     plain = [torch.empty_like(t) for t in theta]
@@ -34,7 +37,16 @@ def test_staged_pseudo_gradient_has_the_plain_bits(dtype, chunk_bytes):
         staging.pseudo_gradient(theta, params, staged)
         for a, b in zip(plain, staged):
             assert torch.equal(a, b)
-    assert all(len(buf) <= chunk_bytes for buf in staging.buffers)  # bounded, whatever the model's size
+    assert all(len(buf) <= max(chunk_bytes, 4) for buf in staging.buffers)  # bounded (one element at least)
+
+
+def test_mismatched_lists_are_refused():
+    params, theta = _weights(torch.float32)
+    staging = HostStaging(torch.device("cpu"), staged=True)
+    with pytest.raises(ValueError, match="theta"):
+        staging.pseudo_gradient(theta[:-1], params, [torch.empty_like(t) for t in theta])
+    with pytest.raises(ValueError, match="theta"):
+        staging.load(params, theta[:-1])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
