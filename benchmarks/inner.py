@@ -110,13 +110,16 @@ def _pss(pid: int) -> int:
 def _peak_pss(proc: subprocess.Popen | PeerProcess, timeout: float, sample: bool) -> int:
     """Wait for ``proc`` (at most ``timeout`` s); with ``sample``, sampling the summed PSS of its process tree: the
     peak (else 0)."""
+    if not sample:
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the run did not end within {timeout:.0f} s") from None
+        return 0
     root, peak, deadline = psutil.Process(proc.pid), 0, time.monotonic() + timeout
     while proc.poll() is None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"the run did not end within {timeout:.0f} s")
-        if not sample:
-            time.sleep(0.2)
-            continue
         try:
             pids = [root.pid, *(p.pid for p in root.children(recursive=True))]
         except psutil.Error:
