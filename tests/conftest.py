@@ -49,13 +49,18 @@ def pytest_collection_modifyitems(config, items):
 
     Under pytest-xdist (``-n 2 --dist loadgroup``, the test command in .ci/run) the ``slow`` tests, which run several
     peer processes each, all go to one worker, one after the other: two of them at once on 2 cores would slow each
-    other's peers past their timeouts. The other worker runs everything else meanwhile.
+    other's peers past their timeouts. A slow test also marked ``light`` (one peer process at a time, or a few that
+    mostly wait, and timeouts with room to spare) stays out of that group: the other worker runs it beside the
+    heavy one, as it runs the fast tests, instead of idling once those are done.
     """
     for item in items:
         layer = item.path.parent.name
         if layer in LAYERS and not item.get_closest_marker(layer):
             raise pytest.UsageError(f"{item.nodeid} lacks its directory's marker: pytestmark = pytest.mark.{layer}")
-        if item.get_closest_marker("slow"):
+        if item.get_closest_marker("light") and not item.get_closest_marker("slow"):
+            raise pytest.UsageError(f"{item.nodeid} is marked light but not slow: light says which slow tests may "
+                                    "run beside another")
+        if item.get_closest_marker("slow") and not item.get_closest_marker("light"):
             item.add_marker(pytest.mark.xdist_group("peer-processes"))
 
 
@@ -64,7 +69,7 @@ def pytest_runtest_setup(item):
     longer read the node id, and slow tests ran two at a time (multi-peer tests on 2 cores: peers missed their
     timeouts, CI failed)."""
     if (getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("slow")
-            and not item.nodeid.endswith("@peer-processes")):
+            and not item.get_closest_marker("light") and not item.nodeid.endswith("@peer-processes")):
         pytest.fail("pytest-xdist did not put this slow test in the peer-processes group (check the pinned pytest "
                     "and pytest-xdist in constraints.txt)", pytrace=False)
 

@@ -1,11 +1,12 @@
 """One ExactAverager peer for test_averager.py, run as its own subprocess (process group).
 
-Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial MADDR] [--die-after-parts K] [--attempts A]
+Usage: averager_peer.py INDEX GROUP_SIZE OUT_PREFIX [--initial-from FILE] [--die-after-parts K] [--attempts A]
                        [--retry-only-matchmaking]
                        [--codec none|fp16|bf16|int8|int4|topk]
                        [--slow-answers SECONDS] [--trailing-error]
                        [--transport p2p|tcp] [--fd-headroom K] (and the other hooks: see main)
-Prints ``MADDRS <addr>...`` once its DHT is up; writes OUT_PREFIX.json (and OUT_PREFIX.pt on success).
+Prints ``MADDRS <addr>...`` once its DHT is up and writes them to OUT_PREFIX.maddrs (whole, or not there); writes
+OUT_PREFIX.json (and OUT_PREFIX.pt on success).
 """
 
 import argparse
@@ -243,7 +244,7 @@ def main() -> None:
     p.add_argument("index", type=int)
     p.add_argument("group_size", type=int)
     p.add_argument("out")
-    p.add_argument("--initial", nargs="*", default=None)
+    p.add_argument("--initial-from", default=None, help="join the DHT at the addresses in this file (waits for it)")
     p.add_argument("--die-after-parts", type=int, default=None)
     p.add_argument("--attempts", type=int, default=1)
     p.add_argument("--retry-only-matchmaking", action="store_true",
@@ -291,11 +292,20 @@ def main() -> None:
         low_fd_limit(args.fd_headroom, args.out)
     from p2p_diloco.swarm.identity import Identity
 
+    initial = None
+    if args.initial_from:
+        source, deadline = Path(args.initial_from), time.monotonic() + 60
+        while not source.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        initial = source.read_text().split()
     identity = Identity()  # our libp2p identity: it signs our data-plane entry, as in a peer
-    dht = hivemind.DHT(initial_peers=args.initial or None, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+    dht = hivemind.DHT(initial_peers=initial, start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                        identity_path=identity.path, check_if_identity_free=False)  # fresh: as a peer (swarm.py)
     identity.close()  # p2pd has read it
-    print("MADDRS", *[str(m) for m in dht.get_visible_maddrs()], flush=True)
+    maddrs = [str(m) for m in dht.get_visible_maddrs()]
+    Path(args.out + ".maddrs.tmp").write_text(" ".join(maddrs))
+    os.replace(args.out + ".maddrs.tmp", args.out + ".maddrs")
+    print("MADDRS", *maddrs, flush=True)
     mine = make_tensors(args.index, args.codec)
     flat = [torch.cat([t.reshape(-1) for t in mine])] if args.in_place else mine
     av = ExactAverager(flat, dht, start=False, prefix="avgtest",

@@ -16,17 +16,18 @@ from p2p_diloco.runtime.processes import wait_group_gone
 from p2p_diloco.outer.codecs import get_codec
 from tests.swarm.averager_peer import SHAPES, make_tensors
 
-pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(240)]
+# light: three small processes that mostly wait (matchmaking), with timeouts of seconds to spare
+pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.light, pytest.mark.timeout(240)]
 SCRIPT = Path(__file__).with_name("averager_peer.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", transport="p2p", extra=(),
+def _spawn(i, n, out, initial_from=None, die=None, tag="", attempts=1, codec="none", transport="p2p", extra=(),
            victim_in_group=False):
     cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out), "--attempts", str(attempts), "--codec", codec,
            "--transport", transport, *extra]
-    if initial:
-        cmd += ["--initial", *initial]
+    if initial_from:
+        cmd += ["--initial-from", str(initial_from)]
     if die is not None:
         cmd += ["--die-after-parts", str(die)]
     if victim_in_group:  # the victim writes no result: nobody waits for it
@@ -37,18 +38,26 @@ def _spawn(i, n, out, initial=None, die=None, tag="", attempts=1, codec="none", 
 
 
 def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p", extra=None,
-         meanwhile=None):
+         meanwhile=None, stagger=False):
     """``extra``: {peer index: more averager_peer.py arguments} (the reducer-side test hooks); ``meanwhile``: called
-    once every peer is spawned, before we wait for them (an attack to set up while they start)."""
+    once every peer is spawned, before we wait for them (an attack to set up while they start); ``stagger``: start
+    the others only once peer 0 is up, so that peer 0 starts looking for a group first."""
     extra = extra or {}
     procs = [_spawn(0, n, tmp_path / "p0", tag=tag, attempts=attempts, codec=codec, transport=transport,
                     extra=extra.get(0, ()), victim_in_group=victim is not None)]
-    try:
+
+    def peer_0_up():
         line = procs[0].stdout.readline()
         assert line.startswith("MADDRS"), line
-        initial = line.split()[1:]
-        procs += [_spawn(i, n, tmp_path / f"p{i}", initial, 3 if i == victim else None, tag, attempts, codec,
-                         transport, extra.get(i, ()), victim is not None) for i in range(1, n)]
+
+    try:
+        if stagger:
+            peer_0_up()
+        # (unstaggered, the others import beside peer 0 and join it once it has written its address)
+        procs += [_spawn(i, n, tmp_path / f"p{i}", tmp_path / "p0.maddrs", 3 if i == victim else None, tag, attempts,
+                         codec, transport, extra.get(i, ()), victim is not None) for i in range(1, n)]
+        if not stagger:
+            peer_0_up()
         if meanwhile is not None:
             meanwhile()
         deadline = time.monotonic() + timeout
@@ -217,8 +226,8 @@ def test_peers_asking_for_different_group_sizes_never_form_a_group(tmp_path, rea
     the group size was in the group key, both got a group of 2 and averaged it, and only peer 1's commit step
     refused it (``commit.group_problem``), after the whole transfer. Now they never meet: both find no group."""
     # (8 s to find a group: enough for these two to meet when they could, before the fix)
-    results = _run(tmp_path, 2, reap, extra={0: ["--expect", "2", "--step-timeout", "8"],
-                                             1: ["--expect", "3", "--step-timeout", "8"]})
+    results = _run(tmp_path, 2, reap, stagger=True, extra={0: ["--expect", "2", "--step-timeout", "8"],
+                                                           1: ["--expect", "3", "--step-timeout", "8"]})
     assert not any(r["ok"] for r in results.values()), results
     assert all("could not find a group" in r["error"] for r in results.values()), results
     assert all(r["attempt_bytes"] == [0, 0] for r in results.values()), results
@@ -283,7 +292,9 @@ def test_a_leader_cannot_hold_two_members_slots(tmp_path, reap, transport):
     both of its slots: two votes of three in every slice, a majority of any robust average. The follower in it
     refuses a group that lists a member more than once, before any byte of the all-reduce moves (the follower
     left out fails too: the group does not contain it)."""
-    follow = ["--follow"]
+    # (the follower left out waits for a group until its step times out: 8 s, where the default is 15; the group
+    # assembles about 1 s after the followers start looking)
+    follow = ["--follow", "--step-timeout", "8"]
     results = _run(tmp_path, 3, reap, transport=transport,
                    extra={0: ["--list-self-twice", "--lead"], 1: follow, 2: follow})
     assert (tmp_path / "p0.led").exists(), "peer 0 did not lead the group: the attack was not made"

@@ -73,6 +73,7 @@ def _write_checkpoints(directory, rounds: int) -> None:
                              rng=capture_rng(), extra={}))
 
 
+@pytest.mark.light
 def test_corrupt_or_mismatched_checkpoint_is_a_clear_error_and_the_good_one_stays(tmp_path, reap):
     ckpt = tmp_path / "ckpt"
     _write_checkpoints(ckpt, rounds=2)

@@ -10,7 +10,8 @@ from p2p_diloco.export import load_trained
 from tests.conftest import survivors
 from tests.swarm.helpers import FAST, LONE, Proc, eval_by_round, events_of, load_json
 
-pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(300)]
+# light: one process at a time (a lone peer, then the commands)
+pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.light, pytest.mark.timeout(300)]
 
 
 def _cli(args, tag):

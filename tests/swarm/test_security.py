@@ -84,6 +84,7 @@ def test_private_run_refuses_a_stranger(tmp_path, reap):
     assert not [e for e in theirs if e["event"] == Event.STATE_LOADED]
 
 
+@pytest.mark.light
 def test_a_peer_outside_its_own_allowlist_is_a_one_line_error(tmp_path, reap):
     (_, pid0), (id1, _) = _identities(tmp_path, 2)
     proc = Proc(["join", "--identity-path", id1, "--allowed-peers", pid0, "--run-id", "t-notlisted",

@@ -59,6 +59,7 @@ def test_three_peer_swarm_bit_identical_and_learning(tmp_path, reap):
     assert not survivors(reap), "processes survived a finished swarm"
 
 
+@pytest.mark.light
 def test_mismatched_config_is_refused(tmp_path, reap):
     first = Proc(["join", "--run-id", "t-mismatch", *FAST], reap)
     maddrs = first.wait_joined()
@@ -75,6 +76,7 @@ def test_mismatched_config_is_refused(tmp_path, reap):
     assert not survivors(reap)
 
 
+@pytest.mark.light
 def test_unreachable_initial_peer_fails_fast(reap):
     t0 = time.monotonic()
     unreachable = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWAJ6LLP9vy8TfHi4hdDVvYT81fFM7YibrdRCRvaUyi1X8"

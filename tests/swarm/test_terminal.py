@@ -108,6 +108,7 @@ def test_swarm_rows_update_in_place_on_a_terminal_and_ctrl_c_stops_it(tmp_path, 
         term.close()
 
 
+@pytest.mark.light
 def test_join_status_line_stays_below_the_log_lines(tmp_path, reap):
     """The status line at the bottom, each log line on its own line above it; Ctrl-C stops the peer."""
     args = ["join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", "t-term-join", "--max-rounds", "2",
