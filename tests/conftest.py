@@ -49,9 +49,9 @@ def pytest_collection_modifyitems(config, items):
 
     Under pytest-xdist (``-n 2 --dist loadgroup``, the test command in .ci/run) the ``slow`` tests, which run several
     peer processes each, all go to one worker, one after the other: two of them at once on 2 cores would slow each
-    other's peers past their timeouts. A slow test also marked ``light`` (one peer process at a time, or a few that
-    mostly wait, and timeouts with room to spare) stays out of that group: the other worker runs it beside the
-    heavy one, as it runs the fast tests, instead of idling once those are done.
+    other's peers past their timeouts. A slow test also marked ``light`` (one peer process at a time, or a few small
+    ones that train no model, and timeouts with room to spare) stays out of that group: the other worker runs it
+    beside the heavy one, as it runs the fast tests, instead of idling once those are done.
     """
     for item in items:
         layer = item.path.parent.name

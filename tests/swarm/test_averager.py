@@ -16,7 +16,7 @@ from p2p_diloco.runtime.processes import wait_group_gone
 from p2p_diloco.outer.codecs import get_codec
 from tests.swarm.averager_peer import SHAPES, make_tensors
 
-# light: three small processes that mostly wait (matchmaking), with timeouts of seconds to spare
+# light: three small processes that train no model, with timeouts of seconds to spare
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.light, pytest.mark.timeout(240)]
 SCRIPT = Path(__file__).with_name("averager_peer.py")
 ROOT = Path(__file__).resolve().parents[2]
