@@ -40,7 +40,8 @@ def _read_run_records(cfg: Config) -> tuple[dict, dict]:
     from ..swarm.run_config import read_run_records
 
     StopSignals().install()  # start-up: nothing to save yet (the peer installs its own handlers later)
-    return read_run_records(cfg.swarm.initial_peers, cfg.run.run_id, cfg.swarm.startup_timeout)
+    return read_run_records(cfg.swarm.initial_peers, cfg.run.run_id, cfg.swarm.startup_timeout,
+                            cfg.swarm.initial_peers_wait)
 
 
 def adopt_run_config(args: argparse.Namespace, cfg: Config,

@@ -52,6 +52,10 @@ def cmd_join(args: argparse.Namespace) -> int:
     from .adopt import adopt_run_config, cluster_config
 
     cluster = Cluster.from_env(cfg)  # launched by torchrun with several local ranks
+    if cfg.swarm.initial_peers and cfg.swarm.initial_peers_wait > 0:
+        # Started together with its initial peer: import the peer's modules (torch, transformers: seconds of CPU)
+        # now, while that peer starts up, rather than after waiting for it.
+        import p2p_diloco.peer.build  # noqa: F401
     # the run's published config under ours, before anything is built (the model comes from it)
     own_data = cfg.data.path
     cfg, notices = cluster_config(args, cfg, cluster) if cluster else adopt_run_config(args, cfg)

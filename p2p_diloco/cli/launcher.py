@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .live import SWARM_REFRESH, SwarmView
 from .plot import plot_if_available
@@ -25,6 +26,9 @@ from ..metrics import short_id
 from ..runtime.signals import Interrupted, interrupted_exit_code
 from ..runtime.peer_process import JOIN_LINE, PeerProcess, PeerStartError, parse_join_line, stop_all
 
+if TYPE_CHECKING:
+    from ..swarm.planned import PlannedPeer
+
 __all__ = ["JOIN_LINE", "STARTUP_TIMEOUT", "STOP_GRACE", "cmd_swarm", "format_table", "parse_join_line",
            "stop_peers"]
 
@@ -32,9 +36,12 @@ STARTUP_TIMEOUT = 120.0
 STOP_GRACE = 40.0
 
 
-def _join_args(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> list[str]:
+def _join_args(args: argparse.Namespace, index: int, log_dir: Path, first: PlannedPeer) -> list[str]:
     threads = max(1, (os.cpu_count() or 1) // args.peers)
-    cmd = ["join", "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+    # peer 0 listens at the address planned for it; the others start at the same time and keep trying it
+    where = first.join_args() if index == 0 else ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--initial-peers",
+                                                    first.maddr, "--initial-peers-wait", str(STARTUP_TIMEOUT)]
+    cmd = ["join", *where,
            "--log-dir", str(log_dir), "--summary-json", str(_summary_path(log_dir, index)),
            "--set", f"train.threads={threads}", "--set", f"swarm.min_peers={args.peers}"]
     if args.config:
@@ -49,8 +56,6 @@ def _join_args(args: argparse.Namespace, index: int, log_dir: Path, initial: lis
         cmd += ["--debug-step-delay", str(delays[index] if len(delays) > 1 else delays[0])]
     if getattr(args, "data_seed", None) is not None:  # reproducible runs, still a different order per peer
         cmd += ["--data-seed", str(args.data_seed + index)]
-    if initial:
-        cmd += ["--initial-peers", *initial]
     return cmd
 
 
@@ -58,9 +63,9 @@ def _summary_path(log_dir: Path, index: int) -> Path:
     return log_dir / f"peer{index}.summary.json"
 
 
-def _spawn(args: argparse.Namespace, index: int, log_dir: Path, initial: list[str]) -> PeerProcess:
+def _spawn(args: argparse.Namespace, index: int, log_dir: Path, first: PlannedPeer) -> PeerProcess:
     # -P: the user's working directory stays off the peers' import path (a stray grp.py there broke every peer)
-    return PeerProcess(_join_args(args, index, log_dir, initial), python_args=("-P",),
+    return PeerProcess(_join_args(args, index, log_dir, first), python_args=("-P",),
                        stderr=log_dir / f"peer{index}.stderr.log")
 
 
@@ -71,17 +76,20 @@ def stop_peers(peers: list[PeerProcess], grace: float = STOP_GRACE) -> None:
 
 
 def _start_all(args: argparse.Namespace, log_dir: Path, peers: list[PeerProcess]) -> None:
-    """Start peer 0, wait for its join line, then the others joining it; ``peers`` gets each one as it starts (so
-    that whatever was started is stopped, even if this is interrupted)."""
-    peers.append(_spawn(args, 0, log_dir, []))
+    """Start every peer at once: peer 0 at an address planned for it (:mod:`p2p_diloco.swarm.planned`), the
+    others joining it; then wait for peer 0's join line. ``peers`` gets each one as it starts (so that whatever
+    was started is stopped, even if this is interrupted)."""
+    from ..swarm.planned import plan_peer
+
+    first = plan_peer(log_dir)
+    for i in range(args.peers):
+        peers.append(_spawn(args, i, log_dir, first))
     try:
         peers[0].wait_joined(STARTUP_TIMEOUT)
     except PeerStartError as e:
         lines = [line for line in str(e).splitlines()[1:] if line.strip()]  # the stderr tail: its last line says why
         why = f": {lines[-1].strip()}" if lines else ""
         raise RunError(f"peer0 did not start{why} (see {log_dir / 'peer0.stderr.log'})") from None
-    for i in range(1, args.peers):
-        peers.append(_spawn(args, i, log_dir, peers[0].maddrs))
 
 
 def _summaries(peers: list[PeerProcess], log_dir: Path) -> list[dict]:

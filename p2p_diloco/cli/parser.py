@@ -71,6 +71,9 @@ def _add_join_parser(sub) -> None:
                       help="find relays and advertise relayed addresses (peers behind NAT; default: off)")
     join.add_argument("--startup-timeout", type=float, metavar="SECONDS",
                       help="how long p2pd may take to start and reach the initial peers (default 30)")
+    join.add_argument("--initial-peers-wait", type=float, metavar="SECONDS",
+                      help="keep trying the initial peers this long if none answers, for peers started together "
+                           "with them (default 0: fail at once)")
     join.add_argument("--identity-path", metavar="FILE",
                       help="RSA identity file: the same peer id across restarts (created if missing)")
     join.add_argument("--data-seed", type=int, help="this peer's data order (default: from its peer id)")
@@ -167,6 +170,7 @@ FLAGS: tuple[tuple[str, str], ...] = (
     ("use_relay", "swarm.use_relay"),
     ("use_auto_relay", "swarm.use_auto_relay"),
     ("startup_timeout", "swarm.startup_timeout"),
+    ("initial_peers_wait", "swarm.initial_peers_wait"),
     ("debug_step_delay", "debug.step_delay"),
     ("debug_corrupt_pseudo_gradient", "debug.corrupt_pseudo_gradient"),
 )

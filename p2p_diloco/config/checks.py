@@ -71,6 +71,9 @@ def check_positive(cfg: Config) -> None:
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{name} must be > 0, got {value}")
+    if not 0 <= cfg.swarm.initial_peers_wait < float("inf"):  # (NaN too)
+        raise ConfigError(f"swarm.initial_peers_wait must be >= 0 and finite (0 = fail at once), "
+                          f"got {cfg.swarm.initial_peers_wait}")
     if cfg.swarm.min_peers < 1:
         raise ConfigError(f"swarm.min_peers must be >= 1, got {cfg.swarm.min_peers}")
     if cfg.run.max_rounds < 0:

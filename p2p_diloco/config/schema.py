@@ -188,6 +188,9 @@ class SwarmConfig:
     # Empty: a fresh identity per run. The same key signs the peer's DHT records (swarm/identity.py).
     identity_path: str = ""
     startup_timeout: float = 30.0  # p2pd start
+    # Keep trying the initial peers this long when none answers (peers started together with their initial peer,
+    # which is not listening yet); 0: fail at once, as a mistyped address should.
+    initial_peers_wait: float = 0.0
     # No inbound connections (behind NAT): the peer dials out only, reduces no slice, serves no state, and
     # still contributes its pseudo-gradient. Its DHT node stores nothing for others.
     client_mode: bool = False

@@ -81,8 +81,8 @@ LOCAL_SETTINGS = frozenset({
     # Addresses, ports, identity, start-up wait, NAT and relay choices, and the private run's list (a joiner
     # must not widen or narrow who it trusts because a record said so).
     "swarm.host_maddrs", "swarm.announce_maddrs", "swarm.initial_peers", "swarm.identity_path",
-    "swarm.startup_timeout", "swarm.client_mode", "swarm.use_relay", "swarm.use_auto_relay", "swarm.data_port",
-    "swarm.allowed_peers",
+    "swarm.startup_timeout", "swarm.initial_peers_wait", "swarm.client_mode", "swarm.use_relay",
+    "swarm.use_auto_relay", "swarm.data_port", "swarm.allowed_peers",
     # This machine's hardware: the device, CPU threads and the layout of its local ranks (an operator's
     # threads = 1 of a shared laptop, or device = cuda, would be wrong or fatal on a joiner's machine).
     "train.device", "train.threads", "train.parallelism", "train.peak_tflops", "train.compile",

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import threading
 from typing import Iterator
 
@@ -42,9 +43,35 @@ class Interrupted(KeyboardInterrupt):
         signum: the signal that stopped the command (the first one received).
     """
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, source: StopSignals | None = None):
         super().__init__(signal.Signals(signum).name)
         self.signum = int(signum)
+        self.source = source  # the handlers that raised it (see _raise_swallowed_again)
+
+
+def _raise_swallowed_again(unraisable) -> None:
+    """``sys.unraisablehook``: an :class:`Interrupted` raised while Python ran a callback it cannot propagate from
+    (a weakref callback, ``__del__``: seen in importlib's module-lock callback during the imports) is printed as
+    "Exception ignored" and dropped, and the signal with it: the command went on as if nothing came (later signals
+    were ignored, as during a cleanup). Raise it again in the main thread a moment later, out of the callback (if it
+    lands in one again, this runs again). Not while the interpreter exits (atexit callbacks, finalization): the
+    command is ending anyway."""
+    exc = unraisable.exc_value
+    exiting = sys.is_finalizing() or "atexit" in (unraisable.err_msg or "")
+    if isinstance(exc, Interrupted) and not exiting:
+        # the signal again, to the main thread (a wait there wakes up); sent from here, the handler would run inside
+        # this hook, where the interrupt is dropped again
+        retry = threading.Timer(RERAISE_DELAY, signal.pthread_kill, (threading.main_thread().ident, exc.signum))
+        retry.daemon = True
+        retry.start()
+        if exc.source is not None:
+            exc.source.interrupted = False  # no cleanup has run: let its handler raise once more
+        return
+    _previous_unraisablehook(unraisable)
+
+
+_previous_unraisablehook = sys.unraisablehook  # whatever was there first (install() takes its place once)
+RERAISE_DELAY = 0.01  # seconds
 
 
 class StopSignals:
@@ -67,6 +94,7 @@ class StopSignals:
         """Make these the process's SIGINT and SIGTERM handlers; returns self."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        sys.unraisablehook = _raise_swallowed_again  # passes everything else on to _previous_unraisablehook
         return self
 
     def running(self) -> None:
@@ -95,7 +123,7 @@ class StopSignals:
             self.signum = signum
         if self.starting or again:
             self.interrupted = True
-            raise Interrupted(self.signum)
+            raise Interrupted(self.signum, self)
         if not self.quiet:
             log.warning("received %s: stopping after the current step (again: stop now)", signal.Signals(signum).name)
         self.stop.set()

@@ -31,14 +31,15 @@ READ_TIMEOUT = 15.0
 _ANY_TTL = 1e9
 
 
-def read_run_records(initial_peers: Sequence[str], run_id: str,
-                     startup_timeout: float) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+def read_run_records(initial_peers: Sequence[str], run_id: str, startup_timeout: float,
+                     initial_peers_wait: float = 0.0) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
     """The run's live and config records, read once through a light client that is stopped before returning.
 
     Args:
         initial_peers: multiaddrs of live peers or a bootstrap node.
         run_id: the run whose records are read.
         startup_timeout: how long p2pd may take to start and reach the initial peers.
+        initial_peers_wait: how long to keep trying when no initial peer answers (0: fail at once).
 
     Returns:
         ``(live, configs)``: ``{peer_id: record}`` of every validly signed dictionary record under
@@ -50,12 +51,14 @@ def read_run_records(initial_peers: Sequence[str], run_id: str,
     keys = [f"{run_id}.live", f"{run_id}.config"]
     before = descendants()
     try:
-        dht = start_dht(initial_peers=list(initial_peers), client_mode=True, startup_timeout=startup_timeout,
+        dht = start_dht(initial_peers_wait, initial_peers=list(initial_peers), client_mode=True,
+                        startup_timeout=startup_timeout,
                         bootstrap_timeout=BOOTSTRAP_TIMEOUT,
                         record_validators=[RSASignatureValidator(), OwnedRecordsValidator(keys),
                                            RunRecordsValidator(run_id), RecordLimitsValidator(run_id, _ANY_TTL)])
     except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
-        raise SwarmError(start_failure(e, initial_peers, "could not start or join the swarm")) from None
+        raise SwarmError(start_failure(e, initial_peers, "could not start or join the swarm",
+                                       initial_peers_wait)) from None
     owned = descendants() - before  # the DHT process and its p2pd: what we stop
     try:
         found = [dht.get(key, latest=True, return_future=True) for key in keys]

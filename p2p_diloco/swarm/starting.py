@@ -37,9 +37,10 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from importlib import resources
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import hivemind
 
@@ -208,23 +209,99 @@ def fix_command_pipe(dht: hivemind.DHT, timeout: float = 15.0) -> None:
         raise SwarmError("could not make the DHT's command pipe blocking")
 
 
-def start_dht(**kwargs) -> hivemind.DHT:
-    """A started, ready ``hivemind.DHT(**kwargs)`` (``start``/``await_ready`` are ours to set).
+def start_dht(initial_peers_wait: float = 0.0, **kwargs) -> hivemind.DHT:
+    """A started, ready DHT.
 
     Any failure or interruption (a stop signal raises in the wait) stops whatever was started, p2pd included,
     before it propagates.
+
+    Args:
+        initial_peers_wait: with a value > 0, a start that failed only because no initial peer answered is tried
+            again until that many seconds have passed (:func:`retry_delay`): for peers started together with their
+            initial peer, which is not listening yet.
+        **kwargs: ``hivemind.DHT``'s (``start``/``await_ready`` are ours to set).
+
+    Returns:
+        The DHT, its process running and its command pipe made safe (:func:`serialize_command_pipe`).
     """
+    return with_retries(lambda: _start_dht_once(**kwargs), initial_peers_wait)
+
+
+def _start_dht_once(**kwargs) -> hivemind.DHT:
     keep_ctrl_c_from_p2pd()
     dht = hivemind.DHT(start=False, **kwargs)
     try:
         with children_ignore_sigint(), children_die_with_us():
             dht.start()
         dht.wait_until_ready()  # bounded by p2pd's startup_timeout; a stop signal raises here
-    except BaseException:
+    except Exception:
+        # The DHT process reported its failure and is ending: let it. Killed right after the report, it could still
+        # hold hivemind's lock for such reports (MPFuture._update_lock, shared by every process we fork), and the
+        # next DHT process we start would block on it for good (seen when the start was tried again).
+        try:
+            if dht.is_alive():
+                dht.join(FAILED_EXIT_WAIT)
+        finally:  # a stop signal during that wait too
+            reap_children(timeout=5.0)
+        raise
+    except BaseException:  # a stop signal: nothing to wait for
         reap_children(timeout=5.0)
         raise
     serialize_command_pipe(dht)
     return dht
+
+
+FAILED_EXIT_WAIT = 5.0  # seconds a DHT process that failed to start gets to end by itself
+# What hivemind says when no initial peer answered: p2pd could not dial any (nothing listens there yet, or it is
+# unreachable), or p2pd connected but no DHT node answered its ping (the peer's DHT was not serving yet).
+UNANSWERED = ("failed to connect to bootstrap peers", "none of the initial_peers responded")
+FIRST_RETRY, MAX_RETRY = 0.25, 2.0  # seconds between tries of the initial peers: doubling from the first
+
+
+def retry_delay(reason: str, tries: int, left: float) -> float | None:
+    """Whether to try the initial peers again after a failed start, and after how long.
+
+    Args:
+        reason: the failure's one line (:func:`one_line`).
+        tries: how many starts failed so far (>= 1).
+        left: seconds left of ``swarm.initial_peers_wait``.
+
+    Returns:
+        Seconds to sleep before the next try, or None to give up: any other failure (a bad address, a port in use,
+        an identity taken) fails at once, and so does everything once the wait is over.
+    """
+    if left <= 0 or not any(text in reason for text in UNANSWERED):
+        return None
+    return min(FIRST_RETRY * 2 ** min(tries - 1, 16), MAX_RETRY, left)  # (2 ** 1024 would not fit a float)
+
+
+T = TypeVar("T")
+
+
+def with_retries(start: Callable[[], T], wait: float, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> T:
+    """``start()``, tried again as :func:`retry_delay` says.
+
+    Args:
+        start: what to try; its exceptions are the failures (a stop signal's ``KeyboardInterrupt`` is not one).
+        wait: seconds to keep trying (``swarm.initial_peers_wait``).
+        clock, sleep: the time source and the wait between tries (tests give virtual ones).
+
+    Returns:
+        ``start()``'s first result; its last failure propagates.
+    """
+    deadline, tries = clock() + wait, 0
+    while True:
+        try:
+            return start()
+        except Exception as e:
+            tries += 1
+            delay = retry_delay(one_line(e), tries, deadline - clock())
+            if delay is None:
+                raise
+            if tries == 1:
+                log.info("no initial peer answered yet: trying again for up to %.0f s", deadline - clock())
+            sleep(delay)  # a stop signal raises here
 
 
 def start_process(process, timeout: float) -> None:
@@ -235,12 +312,13 @@ def start_process(process, timeout: float) -> None:
     process.wait_until_ready(timeout)
 
 
-def start_failure(e: BaseException, initial_peers: Sequence[str], what: str) -> str:
+def start_failure(e: BaseException, initial_peers: Sequence[str], what: str, waited: float = 0.0) -> str:
     """One line saying why a DHT did not start (``what``: e.g. "could not start or join the swarm"), and what to
-    check when it could not reach its initial peers."""
+    check when it could not reach its initial peers (``waited``: the ``swarm.initial_peers_wait`` it had)."""
     reason = one_line(e)
-    if "failed to connect to bootstrap peers" in reason and initial_peers:
-        return (f"{what}: no initial peer answered (tried {' '.join(initial_peers)}): check that a peer runs "
+    if any(text in reason for text in UNANSWERED) and initial_peers:
+        within = f" within {waited:g} s" if waited > 0 else ""
+        return (f"{what}: no initial peer answered{within} (tried {' '.join(initial_peers)}): check that a peer runs "
                 f"there, that the address and port are right and reachable from this machine (firewall, NAT), and "
                 f"that the /p2p/ id is the one that peer printed")
     return f"{what}: {reason}"

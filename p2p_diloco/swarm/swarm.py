@@ -141,9 +141,10 @@ class Swarm:
         follower = self.rank_of is not None
         self.identity = Identity(None if follower else (self.sc.identity_path or None))
         initial = (self.rank_of if follower else self.sc.initial_peers) or []
+        wait = 0.0 if follower else self.sc.initial_peers_wait  # a follower's rank 0 is up: it sent its address
         try:
             self.dht = start_dht(
-                initial_peers=initial or None,
+                wait, initial_peers=initial or None,
                 host_maddrs=self.sc.host_maddrs, announce_maddrs=self.sc.announce_maddrs or None,
                 startup_timeout=self.sc.startup_timeout, identity_path=self.identity.path,
                 wait_timeout=dht_rpc_timeout(self.sc.peer_ttl),
@@ -152,7 +153,7 @@ class Swarm:
                 record_validators=record_validators(self.identity, self.run_id, self.sc.peer_ttl),
             )
         except Exception as e:  # hivemind raises P2PDaemonError / RuntimeError with long texts
-            raise SwarmError(start_failure(e, initial, "could not start or join the swarm")) from None
+            raise SwarmError(start_failure(e, initial, "could not start or join the swarm", wait)) from None
         finally:
             self.identity.close()  # p2pd has read it
         self.peer_id = self.dht.peer_id.to_base58()

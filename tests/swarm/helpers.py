@@ -10,6 +10,7 @@ from pathlib import Path
 from p2p_diloco.metrics import read_events
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
+from p2p_diloco.swarm.planned import plan_peer
 
 TAG_VAR = "P2P_DILOCO_TEST_TAG"
 # The default tiny model and H (~6 s per round on 2 cores) with a smaller corpus and shorter matchmaking waits.
@@ -94,20 +95,25 @@ def torchrun_args(ranks: int) -> list[str]:
     return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
 
 
+def planned_first(directory: Path) -> tuple[list[str], list[str]]:
+    """Peer 0's address fixed before it starts (p2p_diloco/swarm/planned.py, as ``p2p-diloco swarm`` does), so that
+    its joiners start with it: ``(peer 0's join arguments, a joiner's: --initial-peers and --initial-peers-wait)``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    first = plan_peer(directory)
+    return first.join_args(), ["--initial-peers", first.maddr, "--initial-peers-wait", "90"]
+
+
 def start_peers(n: int, log_dir: Path, tag: str, run_id: str, rounds: int, extra: dict[int, list[str]] | None = None,
                 min_peers: int | None = None, ranks: dict[int, int] | None = None) -> list[Proc]:
-    """``n`` join processes of one run; peer 0 starts the swarm, the rest join it; all wait for ``min_peers``.
-    ``ranks``: {peer index: local ranks} for peers launched with torchrun."""
+    """``n`` join processes of one run, started at once: peer 0 starts the swarm at a planned address, the rest
+    join it; all wait for ``min_peers``. ``ranks``: {peer index: local ranks} for peers launched with torchrun."""
     extra, ranks = extra or {}, ranks or {}
     common = ["--run-id", run_id, "--max-rounds", str(rounds), "--log-dir", str(log_dir),
               "--set", f"swarm.min_peers={min_peers or n}", *FAULT]
-    first = Proc(["join", *common, "--summary-json", str(log_dir / "p0.json"), *extra.get(0, [])], tag,
-                 python_args=torchrun_args(ranks.get(0, 1)))
-    maddrs = first.wait_joined()
-    procs = [first]
-    for i in range(1, n):
-        procs.append(Proc(["join", "--initial-peers", *maddrs, *common, "--summary-json", str(log_dir / f"p{i}.json"),
-                           *extra.get(i, [])], tag, python_args=torchrun_args(ranks.get(i, 1))))
+    first_args, joining = planned_first(log_dir)
+    procs = [Proc(["join", *(first_args if i == 0 else joining), *common, "--summary-json",
+                   str(log_dir / f"p{i}.json"), *extra.get(i, [])], tag, python_args=torchrun_args(ranks.get(i, 1)))
+             for i in range(n)]
     for p in procs:
         p.wait_joined()
     return procs

@@ -5,7 +5,8 @@ import pytest
 
 from p2p_diloco.cli.launcher import parse_join_line
 from p2p_diloco.metrics.events import Event
-from tests.swarm.helpers import FAULT, Proc, digests_by_round, events_of, load_json, torchrun_args, wait_for_event
+from tests.swarm.helpers import (FAULT, Proc, digests_by_round, events_of, load_json, planned_first, torchrun_args,
+                                 wait_for_event)
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -22,12 +23,12 @@ def test_sharded_peers_of_any_layout_average_and_catch_up(tmp_path, reap):
     rounds = 6  # slow enough rounds (6 s) that the late peer, started after round 1, still has rounds to average
     common = ["--run-id", "t-sharded", "--max-rounds", str(rounds), "--log-dir", str(tmp_path), *FAULT, *SHARDED,
               "--set", "debug.step_delay=0.3"]
-    first = Proc(["join", *common, "--set", "swarm.min_peers=2", "--summary-json", str(tmp_path / "p0.json")],
-                 reap)
+    first_args, joining = planned_first(tmp_path)
+    first = Proc(["join", *first_args, *common, "--set", "swarm.min_peers=2", "--summary-json",
+                  str(tmp_path / "p0.json")], reap)
+    second = Proc(["join", *joining, *common, "--set", "swarm.min_peers=2", "--set", "train.parallelism=fsdp",
+                   "--summary-json", str(tmp_path / "p1.json")], reap, python_args=torchrun_args(2))
     maddrs = first.wait_joined()
-    second = Proc(["join", "--initial-peers", *maddrs, *common, "--set", "swarm.min_peers=2", "--set",
-                   "train.parallelism=fsdp", "--summary-json", str(tmp_path / "p1.json")], reap,
-                  python_args=torchrun_args(2))
     second.wait_joined()
     wait_for_event(tmp_path / first.peer_id / "events.jsonl",
                    lambda e: e["event"] == Event.OUTER_STEP and e["round"] >= 1, 150, first)

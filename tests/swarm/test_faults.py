@@ -12,7 +12,7 @@ import pytest
 
 from p2p_diloco.metrics.events import Event
 from tests.conftest import survivors
-from tests.swarm.helpers import FAULT, Proc, digests_by_round, events_of, load_json, wait_for_event
+from tests.swarm.helpers import FAULT, Proc, digests_by_round, events_of, load_json, planned_first, wait_for_event
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -23,10 +23,10 @@ def test_sigterm_mid_allreduce_stops_cleanly_and_others_carry_on(tmp_path, reap)
     one digest, and never step alone."""
     common = ["--run-id", "t-term", "--max-rounds", "2", "--log-dir", str(tmp_path), "--set", "swarm.min_peers=3",
               *FAULT]
-    first = Proc(["join", *common, "--summary-json", str(tmp_path / "p0.json")], reap)
-    maddrs = first.wait_joined()
-    second = Proc(["join", "--initial-peers", *maddrs, *common, "--summary-json", str(tmp_path / "p1.json")], reap)
-    victim = Proc(["--part-delay", "0.2", "join", "--initial-peers", *maddrs, *common, "--summary-json",
+    first_args, joining = planned_first(tmp_path)
+    first = Proc(["join", *first_args, *common, "--summary-json", str(tmp_path / "p0.json")], reap)
+    second = Proc(["join", *joining, *common, "--summary-json", str(tmp_path / "p1.json")], reap)
+    victim = Proc(["--part-delay", "0.2", "join", *joining, *common, "--summary-json",
                    str(tmp_path / "p2.json")], reap, module="tests.swarm.faulty_peer")
     procs = [first, second, victim]
     for p in procs:
@@ -56,12 +56,11 @@ def test_kill_mid_allreduce_costs_the_dead_members_slice_not_a_restart(tmp_path,
     n = 6
     common = ["--run-id", "t-repair", "--max-rounds", "2", "--log-dir", str(tmp_path), "--set",
               f"swarm.min_peers={n}", *FAULT]
-    first = Proc(["join", *common, "--summary-json", str(tmp_path / "p0.json")], reap)
-    maddrs = first.wait_joined()
-    procs = [first] + [Proc(["join", "--initial-peers", *maddrs, *common, "--summary-json",
-                             str(tmp_path / f"p{i}.json")], reap) for i in range(1, n - 1)]
-    victim = Proc(["--part-delay", "0.2", "join", "--initial-peers", *maddrs, *common], reap,
-                  module="tests.swarm.faulty_peer")
+    first_args, joining = planned_first(tmp_path)
+    first = Proc(["join", *first_args, *common, "--summary-json", str(tmp_path / "p0.json")], reap)
+    procs = [first] + [Proc(["join", *joining, *common, "--summary-json", str(tmp_path / f"p{i}.json")], reap)
+                       for i in range(1, n - 1)]
+    victim = Proc(["--part-delay", "0.2", "join", *joining, *common], reap, module="tests.swarm.faulty_peer")
     for p in [*procs, victim]:
         p.wait_joined()
     wait_for_event(tmp_path / victim.peer_id / "events.jsonl",

@@ -10,6 +10,7 @@ import pytest
 
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.swarm.identity import Identity
+from p2p_diloco.swarm.planned import free_port
 from tests.swarm.helpers import FAULT, Proc, digests_by_round, eval_by_round, events_of, start_peers, wait_for_event
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -62,11 +63,12 @@ def test_private_run_refuses_a_stranger(tmp_path, reap):
     members.write_text(f"# the run's members\n{pid0}\n{pid1}  # second\n")
     common = ["--run-id", "t-private", "--max-rounds", "2", "--log-dir", str(tmp_path), *FAULT]
     private = [*common, "--allowed-peers", str(members), "--set", "swarm.min_peers=2"]
-    first = Proc(["join", "--identity-path", id0, *private], reap)
-    maddrs = first.wait_joined()
-    # the stranger starts with the second member, so that it is there from the first round on
-    stranger = Proc(["join", "--initial-peers", *maddrs, *common], reap)
-    procs = [first, Proc(["join", "--initial-peers", *maddrs, "--identity-path", id1, *private], reap)]
+    port = free_port()  # the first member's address is known in advance: everyone starts at once
+    first = Proc(["join", "--identity-path", id0, "--host-maddrs", f"/ip4/127.0.0.1/tcp/{port}", *private], reap)
+    joining = ["--initial-peers", f"/ip4/127.0.0.1/tcp/{port}/p2p/{pid0}", "--initial-peers-wait", "90"]
+    # the stranger starts with the members, so that it is there from the first round on
+    stranger = Proc(["join", *joining, *common], reap)
+    procs = [first, Proc(["join", *joining, "--identity-path", id1, *private], reap)]
     for p in [stranger, *procs]:
         p.wait_joined()
     for p in procs:

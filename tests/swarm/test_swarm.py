@@ -5,11 +5,12 @@ import signal
 import sys
 import time
 
+import psutil
 import pytest
 
 from p2p_diloco.metrics.events import Event
 from tests.conftest import survivors, tagged_processes
-from tests.swarm.helpers import FAST, Proc, eval_by_round, load_json
+from tests.swarm.helpers import FAST, Proc, eval_by_round, load_json, planned_first
 from p2p_diloco.metrics import read_events
 
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -87,6 +88,46 @@ def test_unreachable_initial_peer_fails_fast(reap):
     assert "could not start or join the swarm" in proc.stderr_tail()
     assert f"no initial peer answered (tried {unreachable})" in proc.stderr_tail()  # the address, and what to check
     assert not survivors(reap)
+
+
+@pytest.mark.light
+def test_a_joiner_started_before_its_initial_peer_waits_for_it(tmp_path, reap):
+    """``--initial-peers-wait``: the joiner's first tries find nothing listening (its p2pd came and went at least
+    once before the initial peer is even started); it keeps trying, joins, and the two average their round. (Its
+    failed tries end their DHT process without leaving hivemind's shared lock held: before, the next try hung.)"""
+    first_args, joining = planned_first(tmp_path)
+    common = ["--run-id", "t-wait", "--max-rounds", "1", "--log-dir", str(tmp_path), "--set", "swarm.min_peers=2",
+              *FAST, "--inner-steps", "10"]
+    joiner = Proc(["join", *joining, *common, "--summary-json", str(tmp_path / "p1.json")], reap)
+    deadline = time.monotonic() + 90
+    while not _runs_p2pd(joiner.pid):  # a try under way: it will fail
+        assert time.monotonic() < deadline and joiner.poll() is None, joiner.stderr_tail()
+        time.sleep(0.02)
+    while _runs_p2pd(joiner.pid):  # ... and it did
+        assert time.monotonic() < deadline and joiner.poll() is None, joiner.stderr_tail()
+        time.sleep(0.02)
+    first = Proc(["join", *first_args, *common, "--summary-json", str(tmp_path / "p0.json")], reap)
+    for p in (first, joiner):
+        assert p.wait(120) == 0, p.stderr_tail()
+    summaries = [load_json(tmp_path / f"p{i}.json") for i in range(2)]
+    assert [s["rounds_participated"] for s in summaries] == [1, 1]
+    assert summaries[0]["global_digest"] == summaries[1]["global_digest"] != ""
+    assert not survivors(reap)
+
+
+def _runs_p2pd(pid: int) -> bool:
+    """Whether a p2pd runs under ``pid`` now."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return False
+    for child in children:
+        try:
+            if child.name() == "p2pd":
+                return True
+        except psutil.Error:  # ended meanwhile
+            pass
+    return False
 
 
 # Starts a command with SIGINT ignored, as a non-interactive shell starts a background job (`cmd &`).
