@@ -84,11 +84,15 @@ class PeerProcess:
         self.stderr_path = Path(stderr) if stderr is not None else None
         self._joined = threading.Event()  # set on the join line, or at EOF of stdout
         self._eof = threading.Event()
+        # stderr has its own reader and EOF: stdout closing says nothing about what stderr still holds
+        self._err_eof = threading.Event()
         self.popen = self._start(env or {}, cwd, stdin, log_command)
         self._reader = threading.Thread(target=self._read_stdout, daemon=True)
         self._reader.start()
         if self.stderr_path is None:
             threading.Thread(target=self._read_stderr, daemon=True).start()
+        else:
+            self._err_eof.set()
 
     def _start(self, extra_env: Mapping[str, str | None], cwd, stdin: bool, log_command: bool) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -121,6 +125,7 @@ class PeerProcess:
     def _read_stderr(self) -> None:
         for line in self.popen.stderr:
             self.err_lines.append(line)
+        self._err_eof.set()
 
     def on_line(self, line: str) -> None:
         """Called by the reader thread for every stdout line, after it is kept; a subclass's protocol hook."""
@@ -189,8 +194,12 @@ class PeerProcess:
         return self.popen.wait(timeout=timeout)
 
     def wait_output(self, timeout: float | None = None) -> bool:
-        """Wait until stdout is closed and every line is in :attr:`lines`; False on timeout."""
-        return self._eof.wait(timeout)
+        """Wait until stdout and stderr are closed and every line is in :attr:`lines` and :attr:`err_lines`; False
+        on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._eof.wait(timeout):
+            return False
+        return self._err_eof.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the main process only (a peer stops gracefully on SIGINT/SIGTERM)."""

@@ -81,6 +81,27 @@ def test_peer_process_reads_the_join_line_output_and_events(tmp_path):
         proc.wait(10)
 
 
+def test_wait_output_waits_for_stderr_too(tmp_path, monkeypatch):
+    # stdout and stderr have a reader thread each; stdout's EOF first said nothing about stderr's last lines (a CI
+    # failure: err_lines was still empty). The stderr reader is held back here so that it is always the last.
+    from p2p_diloco.runtime.peer_process import PeerProcess
+
+    read_stderr = PeerProcess._read_stderr
+
+    def late_reader(self):
+        time.sleep(1.0)
+        read_stderr(self)
+
+    monkeypatch.setattr(PeerProcess, "_read_stderr", late_reader)
+    proc = PeerProcess(["fail"], module=FAKE)
+    try:
+        assert proc.wait(30) == 3
+        assert proc.wait_output(10)
+        assert proc.err_lines == ["boom\n"]
+    finally:
+        proc.kill_group()
+
+
 def test_peer_process_that_exits_without_joining_is_a_clear_error(tmp_path):
     from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
 
