@@ -172,6 +172,7 @@ class PeerProcess:
                     self.popen.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
+                self._err_eof.wait(5)  # its last stderr lines (the reason it failed) may not be read yet
             why = (f"no join line within {timeout}s" if self.poll() is None
                    else f"exited ({self.returncode}) without printing its join line")
             raise PeerStartError(f"{why}; stderr:\n{self.stderr_tail()}")

@@ -84,7 +84,7 @@ def test_peer_process_reads_the_join_line_output_and_events(tmp_path):
 def test_wait_output_waits_for_stderr_too(tmp_path, monkeypatch):
     # stdout and stderr have a reader thread each; stdout's EOF first said nothing about stderr's last lines (a CI
     # failure: err_lines was still empty). The stderr reader is held back here so that it is always the last.
-    from p2p_diloco.runtime.peer_process import PeerProcess
+    from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
 
     read_stderr = PeerProcess._read_stderr
 
@@ -100,6 +100,13 @@ def test_wait_output_waits_for_stderr_too(tmp_path, monkeypatch):
         assert proc.err_lines == ["boom\n"]
     finally:
         proc.kill_group()
+    # the error of a process that exited before its join line carries its last stderr line, the reason
+    failed = PeerProcess(["fail"], module=FAKE)
+    try:
+        with pytest.raises(PeerStartError, match=r"exited \(3\)[\s\S]*boom"):
+            failed.wait_joined(30)
+    finally:
+        failed.kill_group()
 
 
 def test_peer_process_that_exits_without_joining_is_a_clear_error(tmp_path):
