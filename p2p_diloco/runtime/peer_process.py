@@ -24,6 +24,8 @@ from pathlib import Path
 from ..metrics import read_events, short_id
 from .processes import kill_group, wait_group_gone
 
+STDERR_DRAIN_S = 2.0  # after the exit, how long :meth:`PeerProcess.wait` waits for the rest of stderr
+
 # A peer prints it with its run id; a bootstrap node (no run of its own) without.
 JOIN_LINE = re.compile(r"^p2p-diloco join --initial-peers (?P<maddrs>.+?)(?: --run-id (?P<run_id>\S+))?\s*$")
 
@@ -172,7 +174,7 @@ class PeerProcess:
                     self.popen.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
-                self._err_eof.wait(5)  # its last stderr lines (the reason it failed) may not be read yet
+                self._err_eof.wait(STDERR_DRAIN_S)  # its last stderr lines (the reason it failed) may not be read yet
             why = (f"no join line within {timeout}s" if self.poll() is None
                    else f"exited ({self.returncode}) without printing its join line")
             raise PeerStartError(f"{why}; stderr:\n{self.stderr_tail()}")
@@ -187,12 +189,17 @@ class PeerProcess:
         return self.popen.poll()
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the main process to exit and return its status.
+        """Wait for the main process to exit and return its status. When stderr is collected (:attr:`err_lines`),
+        also wait until it is read to the end, at most :data:`STDERR_DRAIN_S` more (a child that inherited the pipe
+        can hold it open after the main process is gone): its last lines, often the reason it exited, are read by
+        another thread and could still be missing when the exit status is already known.
 
         Raises:
             subprocess.TimeoutExpired: it still runs after ``timeout`` s.
         """
-        return self.popen.wait(timeout=timeout)
+        code = self.popen.wait(timeout=timeout)
+        self._err_eof.wait(STDERR_DRAIN_S)
+        return code
 
     def wait_output(self, timeout: float | None = None) -> bool:
         """Wait until stdout and stderr are closed and every line is in :attr:`lines` and :attr:`err_lines`; False
@@ -259,14 +266,14 @@ def stop_all(procs: Iterable[PeerProcess], grace: float) -> None:
     deadline = time.monotonic() + grace
     for p in procs:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))  # (not stderr's end: the group still runs)
         except subprocess.TimeoutExpired:
             pass
     for p in procs:
         wait_group_gone(p.pid, timeout=10)  # torch_shm_manager cleans /dev/shm after the main process exits
         p.kill_group()  # leftovers of the group: DHT, averager (and with the DHT, its p2pd)
         try:
-            p.wait(timeout=5)
+            p.popen.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
         wait_group_gone(p.pid, timeout=5)
