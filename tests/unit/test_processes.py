@@ -87,13 +87,15 @@ def test_every_wait_sees_the_last_stderr_lines(monkeypatch):
     # and a failed start's error quotes stderr). The stderr reader is held back here so that it is always the last.
     from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
 
-    read_stderr = PeerProcess._read_stderr
+    read_stderr, read_stdout = PeerProcess._read_stderr, PeerProcess._read_stdout
 
-    def late_reader(self):
-        time.sleep(1.0)
-        read_stderr(self)
+    def late(reader):
+        def read(self):
+            time.sleep(1.0)
+            reader(self)
+        return read
 
-    monkeypatch.setattr(PeerProcess, "_read_stderr", late_reader)
+    monkeypatch.setattr(PeerProcess, "_read_stderr", late(read_stderr))
     proc = PeerProcess(["fail"], module=FAKE)
     try:
         assert proc.wait(30) == 3
@@ -101,6 +103,15 @@ def test_every_wait_sees_the_last_stderr_lines(monkeypatch):
         assert proc.wait_output(10)
     finally:
         proc.kill_group()
+    with monkeypatch.context() as m:  # and stdout: a summary printed last
+        m.setattr(PeerProcess, "_read_stdout", late(read_stdout))
+        m.setattr(PeerProcess, "_read_stderr", read_stderr)  # stderr at once: stdout is the late one here
+        proc = PeerProcess(["last-line"], module=FAKE)
+        try:
+            assert proc.wait(30) == 0
+            assert proc.lines == ["summary\n"]
+        finally:
+            proc.kill_group()
     proc = PeerProcess(["fail"], module=FAKE)
     try:
         assert proc.wait_output(10)
@@ -164,7 +175,7 @@ def test_signal_group_reaches_every_process_of_the_group():
 
 def _fake_peer(argv: list[str]) -> None:
     """``join LOG_DIR``: events, a join line, then sleep. ``group [--ignore-term]``: a child in the group, a join
-    line, then sleep. ``fail``: one stderr line, exit 3."""
+    line, then sleep. ``fail``: one stderr line, exit 3. ``last-line``: one stdout line, exit 0."""
     import json
     import os
     from pathlib import Path
@@ -172,6 +183,9 @@ def _fake_peer(argv: list[str]) -> None:
     if argv[0] == "fail":
         print("boom", file=sys.stderr)
         sys.exit(3)
+    if argv[0] == "last-line":
+        print("summary")
+        return
     if argv[0] == "join":
         print(f"env {os.environ.get('FAKE_PEER_VAR')} {os.environ.get('HOME')}", flush=True)
         folder = Path(argv[1]) / PEER
