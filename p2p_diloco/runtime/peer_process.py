@@ -24,7 +24,7 @@ from pathlib import Path
 from ..metrics import read_events, short_id
 from .processes import kill_group, wait_group_gone
 
-OUTPUT_DRAIN_S = 2.0  # after the exit, how long :meth:`PeerProcess.wait` waits for the rest of its output
+STDERR_DRAIN_S = 2.0  # how long a failed start waits for the rest of stderr (the reason) after the exit
 
 # A peer prints it with its run id; a bootstrap node (no run of its own) without.
 JOIN_LINE = re.compile(r"^p2p-diloco join --initial-peers (?P<maddrs>.+?)(?: --run-id (?P<run_id>\S+))?\s*$")
@@ -174,7 +174,7 @@ class PeerProcess:
                     self.popen.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
-                self._err_eof.wait(OUTPUT_DRAIN_S)  # its last stderr lines (the reason it failed) may not be read yet
+                self._err_eof.wait(STDERR_DRAIN_S)  # its last stderr lines (the reason it failed) may not be read yet
             why = (f"no join line within {timeout}s" if self.poll() is None
                    else f"exited ({self.returncode}) without printing its join line")
             raise PeerStartError(f"{why}; stderr:\n{self.stderr_tail()}")
@@ -189,17 +189,13 @@ class PeerProcess:
         return self.popen.poll()
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the main process to exit and return its status, and for its output to be read to the end:
-        :attr:`lines`, and :attr:`err_lines` when stderr is collected. Reader threads take the last lines (a summary
-        table, the reason it failed) after the exit status may already be known; they get at most
-        :data:`OUTPUT_DRAIN_S` more, as a child that inherited a pipe can hold it open after the main process is gone.
+        """Wait for the main process to exit and return its status. Its last lines may still be on their way to
+        :attr:`lines` and :attr:`err_lines` (reader threads): :meth:`wait_output` waits for them.
 
         Raises:
             subprocess.TimeoutExpired: it still runs after ``timeout`` s.
         """
-        code = self.popen.wait(timeout=timeout)
-        self.wait_output(OUTPUT_DRAIN_S)
-        return code
+        return self.popen.wait(timeout=timeout)
 
     def wait_output(self, timeout: float | None = None) -> bool:
         """Wait until stdout and stderr are closed and every line is in :attr:`lines` and :attr:`err_lines`; False
