@@ -262,14 +262,14 @@ def stop_all(procs: Iterable[PeerProcess], grace: float) -> None:
     deadline = time.monotonic() + grace
     for p in procs:
         try:
-            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))  # (not stderr's end: the group still runs)
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
     for p in procs:
         wait_group_gone(p.pid, timeout=10)  # torch_shm_manager cleans /dev/shm after the main process exits
         p.kill_group()  # leftovers of the group: DHT, averager (and with the DHT, its p2pd)
         try:
-            p.popen.wait(timeout=5)
+            p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
         wait_group_gone(p.pid, timeout=5)

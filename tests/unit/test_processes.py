@@ -87,15 +87,13 @@ def test_wait_output_and_a_failed_start_see_the_last_lines(monkeypatch):
     # held back here so that it is always the last.
     from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
 
-    read_stderr, read_stdout = PeerProcess._read_stderr, PeerProcess._read_stdout
+    read_stderr = PeerProcess._read_stderr
 
-    def late(reader):
-        def read(self):
-            time.sleep(1.0)
-            reader(self)
-        return read
+    def late_reader(self):
+        time.sleep(1.0)
+        read_stderr(self)
 
-    monkeypatch.setattr(PeerProcess, "_read_stderr", late(read_stderr))
+    monkeypatch.setattr(PeerProcess, "_read_stderr", late_reader)
     proc = PeerProcess(["fail"], module=FAKE)
     try:
         assert proc.wait(30) == 3
@@ -103,16 +101,6 @@ def test_wait_output_and_a_failed_start_see_the_last_lines(monkeypatch):
         assert proc.err_lines == ["boom\n"]
     finally:
         proc.kill_group()
-    with monkeypatch.context() as m:  # and stdout: a summary printed last
-        m.setattr(PeerProcess, "_read_stdout", late(read_stdout))
-        m.setattr(PeerProcess, "_read_stderr", read_stderr)  # stderr at once: stdout is the late one here
-        proc = PeerProcess(["last-line"], module=FAKE)
-        try:
-            assert proc.wait(30) == 0
-            assert proc.wait_output(10)
-            assert proc.lines == ["summary\n"]
-        finally:
-            proc.kill_group()
     # the error of a process that exited before its join line carries its last stderr line, the reason
     failed = PeerProcess(["fail"], module=FAKE)
     try:
@@ -170,7 +158,7 @@ def test_signal_group_reaches_every_process_of_the_group():
 
 def _fake_peer(argv: list[str]) -> None:
     """``join LOG_DIR``: events, a join line, then sleep. ``group [--ignore-term]``: a child in the group, a join
-    line, then sleep. ``fail``: one stderr line, exit 3. ``last-line``: one stdout line, exit 0."""
+    line, then sleep. ``fail``: one stderr line, exit 3."""
     import json
     import os
     from pathlib import Path
@@ -178,9 +166,6 @@ def _fake_peer(argv: list[str]) -> None:
     if argv[0] == "fail":
         print("boom", file=sys.stderr)
         sys.exit(3)
-    if argv[0] == "last-line":
-        print("summary")
-        return
     if argv[0] == "join":
         print(f"env {os.environ.get('FAKE_PEER_VAR')} {os.environ.get('HOME')}", flush=True)
         folder = Path(argv[1]) / PEER
