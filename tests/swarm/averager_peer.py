@@ -224,21 +224,6 @@ def rewrite_addresses(rogue: str, out: str) -> None:
     Matchmaking.leader_assemble_group = rewriting
 
 
-def take_turn(out: str, group_size: int, lead: bool) -> None:
-    """Make peer 0 the leader of the group: it starts looking once every other peer is up (``OUT.ready``), and
-    they start 1 s after it (hivemind: followers join the leader whose matchmaking ends first)."""
-    here = Path(out)
-    here.with_suffix(".ready").write_text("")
-    others = [here.with_name(f"p{k}.ready") for k in range(group_size)]
-    marker, deadline = here.with_name("p0.stepping"), time.monotonic() + 60
-    while time.monotonic() < deadline and not (all(p.exists() for p in others) if lead else marker.exists()):
-        time.sleep(0.05)
-    if lead:
-        marker.write_text("")
-    else:
-        time.sleep(1.0)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("index", type=int)
@@ -257,8 +242,8 @@ def main() -> None:
     p.add_argument("--impersonate", action="store_true", help="an insider sending parts in another's name")
     p.add_argument("--connect-after", default=None, help="connect once this file exists (the impersonator's)")
     p.add_argument("--list-self-twice", action="store_true", help="a leader holding two members' slots")
-    p.add_argument("--lead", action="store_true", help="peer 0: start looking once the others are up")
-    p.add_argument("--follow", action="store_true", help="start looking 1 s after peer 0 (--lead) did")
+    p.add_argument("--led-by-0", action="store_true",
+                   help="name peer 0 the leader of every attempt (led_matchmaking.py), as a Swarm names the round's")
     p.add_argument("--rewrite-addresses", default=None, help="a leader pointing the followers' data at this address")
     p.add_argument("--fd-headroom", type=int, default=None,
                    help="--transport tcp: serve the data port at once, then allow only this many more open files")
@@ -332,8 +317,9 @@ def main() -> None:
     if args.in_place:
         av.source_channel.serve()
         av.source_channel.set_inputs(mine)  # the host's copy, unchanged through every attempt
-    if args.lead or args.follow:
-        take_turn(args.out, args.group_size, args.lead)
+    leader = None
+    if args.led_by_0:  # peer 0's id: ours, or the last part of the address it wrote (/p2p/<id>)
+        leader = dht.peer_id.to_base58() if initial is None else initial[0].rsplit("/p2p/", 1)[1]
     t0 = time.monotonic()
     errors, result = [], None
     for _ in range(args.attempts):
@@ -344,7 +330,7 @@ def main() -> None:
         with av.get_tensors() as ts:
             torch.cat([t.reshape(-1) for t in mine], out=ts[0]) if args.in_place else [
                 t.copy_(m) for t, m in zip(ts, mine)]
-        av.set_round_params("0110", args.expect or args.group_size, timeout=10)
+        av.set_round_params("0110", args.expect or args.group_size, timeout=10, leader=leader)
         try:
             result = av.step(weight=float(args.index + 1), timeout=args.step_timeout, allow_retries=False,
                              gather=gather)

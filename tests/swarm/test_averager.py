@@ -254,11 +254,11 @@ def test_an_insider_cannot_send_a_part_in_another_members_name(tmp_path, reap):
 
 
 def test_a_leader_cannot_point_its_followers_at_another_address(tmp_path, reap):
-    """Issue 18, point 1, the attack: the leader (peer 0, it starts looking first) rewrites the data address in
-    each follower's entry to a listener of ours before it sends the group out. Followers take each member's
-    address only from that member's own signed entry: they refuse the group before sending a byte, and nobody
-    connects to the rewritten address. Before, followers took the leader's relay verbatim and sent their parts
-    there (a leader could so receive and answer every slice)."""
+    """Issue 18, point 1, the attack: the leader (peer 0, named by every member, as a Swarm names the round's
+    leader) rewrites the data address in each follower's entry to a listener of ours before it sends the group out.
+    Followers take each member's address only from that member's own signed entry: they refuse the group before
+    sending a byte, and nobody connects to the rewritten address. Before, followers took the leader's relay verbatim
+    and sent their parts there (a leader could so receive and answer every slice)."""
     import socket
 
     rogue = socket.socket()
@@ -267,9 +267,11 @@ def test_a_leader_cannot_point_its_followers_at_another_address(tmp_path, reap):
     rogue.settimeout(0.2)
     address = f"127.0.0.1:{rogue.getsockname()[1]}"
     try:
-        follow = ["--follow"]
+        # (named, not elected: hivemind elects whoever declared first and answered within 2 s; CI once had peer 0
+        # lead a group that neither follower heard of, and a 3 s stall of peer 0 makes a follower lead instead)
+        led = ["--led-by-0"]
         results = _run(tmp_path, 3, reap, transport="tcp",
-                       extra={0: ["--rewrite-addresses", address, "--lead"], 1: follow, 2: follow})
+                       extra={0: ["--rewrite-addresses", address, *led], 1: led, 2: led})
         connected = 0
         while True:
             try:
@@ -292,11 +294,11 @@ def test_a_leader_cannot_hold_two_members_slots(tmp_path, reap, transport):
     both of its slots: two votes of three in every slice, a majority of any robust average. The follower in it
     refuses a group that lists a member more than once, before any byte of the all-reduce moves (the follower
     left out fails too: the group does not contain it)."""
-    # (the follower left out waits for a group until its step times out: 8 s, where the default is 15; the group
-    # assembles about 1 s after the followers start looking)
-    follow = ["--follow", "--step-timeout", "8"]
+    # (the follower left out asks its leader again until its step times out: 8 s, where the default is 15; the
+    # group assembles once both followers have asked)
+    follow = ["--led-by-0", "--step-timeout", "8"]
     results = _run(tmp_path, 3, reap, transport=transport,
-                   extra={0: ["--list-self-twice", "--lead"], 1: follow, 2: follow})
+                   extra={0: ["--list-self-twice", "--led-by-0"], 1: follow, 2: follow})
     assert (tmp_path / "p0.led").exists(), "peer 0 did not lead the group: the attack was not made"
     assert not results[1]["ok"] and not results[2]["ok"], results
     assert any("more than once" in results[i]["error"] for i in (1, 2)), results
