@@ -3,7 +3,9 @@
 A peer is several processes (its python, the DHT, the averager, the Go ``p2pd``), so it is started as the leader of a
 new session: the whole group can be signalled or killed as a unit, and nothing of it outlives a launcher, a test or
 a benchmark. Its stdout is read by a thread that keeps every line and recognizes the join line every peer (and
-bootstrap node) prints once it listens; its stderr is either collected the same way or written to a file.
+bootstrap node) prints once it listens; its stderr is either collected the same way or written to a file. Once
+the process has exited (:meth:`PeerProcess.wait`, :meth:`PeerProcess.poll`), every line it wrote is in the lists
+(pipe_lines.py).
 
 Used by ``p2p-diloco swarm`` (:mod:`p2p_diloco.cli.launcher`), the swarm tests and the benchmarks.
 """
@@ -22,9 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 from ..metrics import read_events, short_id
+from .pipe_lines import LineReader
 from .processes import kill_group, wait_group_gone
-
-STDERR_DRAIN_S = 2.0  # how long a failed start waits for the rest of stderr (the reason) after the exit
 
 # A peer prints it with its run id; a bootstrap node (no run of its own) without.
 JOIN_LINE = re.compile(r"^p2p-diloco join --initial-peers (?P<maddrs>.+?)(?: --run-id (?P<run_id>\S+))?\s*$")
@@ -85,16 +86,13 @@ class PeerProcess:
         self.run_id: str | None = None
         self.stderr_path = Path(stderr) if stderr is not None else None
         self._joined = threading.Event()  # set on the join line, or at EOF of stdout
-        self._eof = threading.Event()
-        # stderr has its own reader and EOF: stdout closing says nothing about what stderr still holds
-        self._err_eof = threading.Event()
         self.popen = self._start(env or {}, cwd, stdin, log_command)
-        self._reader = threading.Thread(target=self._read_stdout, daemon=True)
-        self._reader.start()
-        if self.stderr_path is None:
+        # stderr has its own reader and end: stdout closing says nothing about what stderr still holds
+        self._out = LineReader(self.popen.stdout, self.lines, self._take_line, self._take_eof)
+        self._err = LineReader(self.popen.stderr, self.err_lines) if self.stderr_path is None else None
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        if self._err is not None:
             threading.Thread(target=self._read_stderr, daemon=True).start()
-        else:
-            self._err_eof.set()
 
     def _start(self, extra_env: Mapping[str, str | None], cwd, stdin: bool, log_command: bool) -> subprocess.Popen:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -103,8 +101,8 @@ class PeerProcess:
                 env.pop(key, None)
             else:
                 env[key] = value
-        common = dict(stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True,
-                      errors="replace", env=env, cwd=cwd, start_new_session=True)
+        common = dict(stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=env,
+                      cwd=cwd, start_new_session=True)  # binary pipes: LineReader decodes
         if self.stderr_path is None:
             return subprocess.Popen(self.cmd, stderr=subprocess.PIPE, **common)
         with open(self.stderr_path, "w") as err:
@@ -114,26 +112,33 @@ class PeerProcess:
             return subprocess.Popen(self.cmd, stderr=err, **common)
 
     def _read_stdout(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line)
-            if not self._joined.is_set() and (parsed := parse_join_line(line)) is not None:
-                self.maddrs, self.run_id = parsed
-                self._joined.set()
-            self.on_line(line)
-        self._eof.set()
-        self._joined.set()  # EOF: the process ended (maybe before printing its join line)
-        self.on_eof()
+        self._out.run()
 
     def _read_stderr(self) -> None:
-        for line in self.popen.stderr:
-            self.err_lines.append(line)
-        self._err_eof.set()
+        self._err.run()
+
+    def _take_line(self, line: str) -> None:
+        if not self._joined.is_set() and (parsed := parse_join_line(line)) is not None:
+            self.maddrs, self.run_id = parsed
+            self._joined.set()
+        self.on_line(line)
+
+    def _take_eof(self) -> None:
+        self._joined.set()  # the end of stdout: the process ended (maybe before printing its join line)
+        self.on_eof()
+
+    def _drain(self) -> None:
+        """Called once the main process has exited: what it wrote is now in the pipes; read it into the lists."""
+        for reader in (self._out, self._err):
+            if reader is not None:
+                reader.drain()
 
     def on_line(self, line: str) -> None:
-        """Called by the reader thread for every stdout line, after it is kept; a subclass's protocol hook."""
+        """Called for every stdout line, in order, after it is kept (by the reader thread, or by the thread that
+        saw the exit in :meth:`wait`/:meth:`poll`); a subclass's protocol hook."""
 
     def on_eof(self) -> None:
-        """Called by the reader thread once stdout is closed (the process exited, or closed it)."""
+        """Called once stdout is closed by all its writers (the process exited, or closed it), after the last line."""
 
     @property
     def pid(self) -> int:
@@ -169,12 +174,11 @@ class PeerProcess:
         """
         self._joined.wait(timeout)
         if not self.maddrs:
-            if self._eof.is_set():  # stdout closed: the process is exiting
+            if self._out.eof.is_set():  # stdout closed: the process is exiting
                 try:
-                    self.popen.wait(timeout=5)
+                    self.wait(timeout=5)  # (and its last stderr lines, the reason it failed, are read)
                 except subprocess.TimeoutExpired:
                     pass
-                self._err_eof.wait(STDERR_DRAIN_S)  # its last stderr lines (the reason it failed) may not be read yet
             why = (f"no join line within {timeout}s" if self.poll() is None
                    else f"exited ({self.returncode}) without printing its join line")
             raise PeerStartError(f"{why}; stderr:\n{self.stderr_tail()}")
@@ -185,25 +189,33 @@ class PeerProcess:
         return read_events(Path(log_dir) / self.peer_id / "events.jsonl") if self.peer_id else []
 
     def poll(self) -> int | None:
-        """The main process's exit status, or None while it runs."""
-        return self.popen.poll()
+        """The main process's exit status, or None while it runs. Once it has exited, every line it wrote is in
+        :attr:`lines` and :attr:`err_lines` (an unfinished last line only once the pipe ends)."""
+        code = self.popen.poll()
+        if code is not None:
+            self._drain()
+        return code
 
     def wait(self, timeout: float | None = None) -> int:
-        """Wait for the main process to exit and return its status. Its last lines may still be on their way to
-        :attr:`lines` and :attr:`err_lines` (reader threads): :meth:`wait_output` waits for them.
+        """Wait for the main process to exit and return its status; every line it wrote is then in :attr:`lines`
+        and :attr:`err_lines` (an unfinished last line only once the pipe ends). Its other processes may hold the
+        pipes and write on: :meth:`wait_output` waits for the pipes' end.
 
         Raises:
             subprocess.TimeoutExpired: it still runs after ``timeout`` s.
         """
-        return self.popen.wait(timeout=timeout)
+        code = self.popen.wait(timeout=timeout)
+        self._drain()
+        return code
 
     def wait_output(self, timeout: float | None = None) -> bool:
-        """Wait until stdout and stderr are closed and every line is in :attr:`lines` and :attr:`err_lines`; False
-        on timeout."""
+        """Wait until stdout and stderr are closed by all their writers and every line is in :attr:`lines` and
+        :attr:`err_lines`; False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._eof.wait(timeout):
+        if not self._out.eof.wait(timeout):
             return False
-        return self._err_eof.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self._err is None or self._err.eof.wait(
+            None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the main process only (a peer stops gracefully on SIGINT/SIGTERM)."""
@@ -224,7 +236,7 @@ class PeerProcess:
 
     def write_line(self, text: str) -> None:
         """Write ``text`` and a newline to the process's stdin (only with ``stdin=True``)."""
-        self.popen.stdin.write(text + "\n")
+        self.popen.stdin.write((text + "\n").encode())
         self.popen.stdin.flush()
 
     def stderr_tail(self, n: int = 40) -> str:

@@ -81,26 +81,46 @@ def test_peer_process_reads_the_join_line_output_and_events(tmp_path):
         proc.wait(10)
 
 
-def test_wait_output_and_a_failed_start_see_the_last_lines(monkeypatch):
-    # stdout and stderr have a reader thread each, and stdout's EOF said nothing about stderr's last lines (a CI
-    # failure: err_lines still empty after wait_output; a failed start's error quotes stderr too). One reader is
-    # held back here so that it is always the last.
+def _late_readers(monkeypatch):
+    """Hold each reader thread back by 1 s, so that it is always the last (as under a loaded CI machine)."""
+    from p2p_diloco.runtime.peer_process import PeerProcess
+
+    def late(read):
+        def reader(self):
+            time.sleep(1.0)
+            read(self)
+        return reader
+
+    for name in ("_read_stdout", "_read_stderr"):
+        monkeypatch.setattr(PeerProcess, name, late(getattr(PeerProcess, name)))
+
+
+def test_the_lines_of_an_exited_process_are_there_when_wait_returns(monkeypatch):
+    # A process that exited has written all its output into the pipes, but the reader threads may not have read it
+    # yet: tests that checked a peer's one-line refusal right after wait() could miss it (a CI failure of this
+    # kind: err_lines still empty). Waiting for the pipes' end is no answer: a peer's p2pd and forks hold them open
+    # after the main process exits ("linger" here). wait() and poll() read what is left in the pipes themselves.
     from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
 
-    read_stderr = PeerProcess._read_stderr
-
-    def late_reader(self):
-        time.sleep(1.0)
-        read_stderr(self)
-
-    monkeypatch.setattr(PeerProcess, "_read_stderr", late_reader)
+    _late_readers(monkeypatch)
     proc = PeerProcess(["fail"], module=FAKE)
     try:
         assert proc.wait(30) == 3
-        assert proc.wait_output(10)
-        assert proc.err_lines == ["boom\n"]
+        # (the unfinished last line too: nobody else held the pipe, so it ended)
+        assert proc.lines == ["last words\n", "tail"] and proc.err_lines == ["boom\n"]
+        assert proc.wait_output(0)
     finally:
         proc.kill_group()
+    lingering = PeerProcess(["linger"], module=FAKE)
+    try:
+        t0 = time.monotonic()
+        while lingering.poll() is None:
+            time.sleep(0.01)
+        assert lingering.returncode == 4 and lingering.lines == ["bye\n"] and lingering.err_lines == ["bye 2\n"]
+        assert lingering.wait(10) == 4 and time.monotonic() - t0 < 10  # not the 60 s its child holds the pipes
+        assert not lingering.wait_output(0.1)
+    finally:
+        lingering.kill_group()
     # the error of a process that exited before its join line carries its last stderr line, the reason
     failed = PeerProcess(["fail"], module=FAKE)
     try:
@@ -108,6 +128,30 @@ def test_wait_output_and_a_failed_start_see_the_last_lines(monkeypatch):
             failed.wait_joined(30)
     finally:
         failed.kill_group()
+
+
+def test_line_reader_reads_as_text_mode_would_and_drains_what_is_there():
+    import os
+    import threading
+
+    from p2p_diloco.runtime.pipe_lines import LineReader
+
+    r, w = os.pipe()
+    seen, ends = [], []
+    reader = LineReader(os.fdopen(r, "rb"), [], seen.append, lambda: ends.append(len(seen)))
+    # CRLF and CR are newlines, a bad byte is replaced, a character split across two writes is whole
+    os.write(w, b"a\r\nb\rc\xff\n\xc3")
+    reader.drain()  # no thread yet: drain alone reads what is in the pipe, and returns when it is empty
+    assert reader.lines == ["a\n", "b\n", "c\ufffd\n"] and not reader.eof.is_set()
+    os.write(w, b"\xa9 and the rest")
+    thread = threading.Thread(target=reader.run, daemon=True)
+    thread.start()
+    os.close(w)
+    thread.join(10)
+    assert reader.lines == ["a\n", "b\n", "c\ufffd\n", "\u00e9 and the rest"] and reader.eof.is_set()
+    assert seen == reader.lines and ends == [4]  # on_line for each, on_eof once, after the last
+    reader.drain()  # after the end: nothing more, no second on_eof
+    assert ends == [4]
 
 
 def test_peer_process_that_exits_without_joining_is_a_clear_error(tmp_path):
@@ -158,14 +202,21 @@ def test_signal_group_reaches_every_process_of_the_group():
 
 def _fake_peer(argv: list[str]) -> None:
     """``join LOG_DIR``: events, a join line, then sleep. ``group [--ignore-term]``: a child in the group, a join
-    line, then sleep. ``fail``: one stderr line, exit 3."""
+    line, then sleep. ``fail``: a line and an unfinished one on stdout, one on stderr, exit 3. ``linger``: a child
+    that holds the pipes 60 s, a line on each, exit 4."""
     import json
     import os
     from pathlib import Path
 
     if argv[0] == "fail":
+        print("last words\ntail", end="")
         print("boom", file=sys.stderr)
         sys.exit(3)
+    if argv[0] == "linger":  # a child in the group keeps the pipes (as p2pd does) after we exit
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        print("bye")
+        print("bye 2", file=sys.stderr)
+        sys.exit(4)
     if argv[0] == "join":
         print(f"env {os.environ.get('FAKE_PEER_VAR')} {os.environ.get('HOME')}", flush=True)
         folder = Path(argv[1]) / PEER
