@@ -3,8 +3,8 @@
 Arms: ``p2p-diloco swarm --peers N`` (default 4) for T inner steps per peer in rounds of H (``benchmarks/
 convergence.py``'s quick length by default: T = 600, H = 20, the tiny default model), with ``outer.compression``
 = none (fp32), int8, int4, and ``topk`` at two densities (``--densities``, default 1/64 and 1/32 of every chunk of
-4,096, 2-bit values, error feedback; ``outer.aggregation = mean``, which topk needs: config/checks.py). Every other
-setting is the config's own, the same for every arm.
+4,096, 2-bit values, error feedback; ``outer.aggregation = mean``, which topk needs: config/checks.py; and the
+outer step of :func:`topk_outer`). Every other setting is the config's own, the same for every arm.
 
 Printed per arm: final eval loss (on the global weights, from a peer's event log), loss over fp32's, bytes sent per
 peer per round (measured: the peers' ``bytes_sent`` / rounds; a butterfly all-reduce receives as much as it sends),
@@ -34,14 +34,23 @@ from p2p_diloco.outer.codecs import get_codec
 LOSS_BUDGET = 1.01  # the loss an arm may reach, over fp32's, and still count as "no loss"
 
 
+def topk_outer(density: float) -> list[str]:
+    """The outer step of a topk arm: SparseLoCo's (arXiv 2508.15706), error feedback decayed by 0.95 and no outer
+    momentum, with an outer lr of 1 / (8 x density): 8 at 1/64, 4 at 1/32. A position that one member of N sends
+    is divided by N in the average, so sparse averages need a larger step than dense ones. Chosen in the simulator
+    on data seed 11, never on this benchmark's seed (docs/performance.md: the table of every setting tried)."""
+    return ["outer.momentum=0", "outer.topk_error_decay=0.95", f"outer.lr={1 / (8 * density):g}"]
+
+
 def arms_of(densities: list[float], bits: int, topk_sets: list[str] = ()) -> list[tuple[str, list[str]]]:
-    """(name, extra --set items) of every arm, fp32 first; ``topk_sets`` go to the topk arms only."""
+    """(name, extra --set items) of every arm, fp32 first; ``topk_sets`` go to the topk arms only, after
+    :func:`topk_outer` (so they override it)."""
     arms = [("fp32", ["outer.compression='none'"]), ("int8", ["outer.compression='int8'"]),
             ("int4", ["outer.compression='int4'"])]
     for d in densities:
         arms.append((f"topk-{d:.4f}-{bits}bit", ["outer.compression='topk'", f"outer.topk_density={d}",
                                                  f"outer.topk_bits={bits}", "outer.aggregation='mean'",
-                                                 *topk_sets]))
+                                                 *topk_outer(d), *topk_sets]))
     return arms
 
 

@@ -59,13 +59,15 @@ def _setup(cfg: Config, peers: int, steps: int, lr: float, momentum: float, data
 
 
 def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: float,
-             data_seed: int = DATA_SEED, codec: Codec | None = None) -> list[float]:
+             data_seed: int = DATA_SEED, codec: Codec | None = None, decay: float = 1.0,
+             gather: bool = False) -> list[float]:
     """T/H rounds of DiLoCo with N simulated workers; returns the eval loss of theta after every round (and at 0).
-    ``codec``: every pseudo-gradient and the mean go through it (module docstring)."""
+    ``codec``: every pseudo-gradient and the mean go through it (module docstring); ``decay``: the error
+    feedback's; ``gather``: the mean is not encoded again (every member receives every part, an all-gather)."""
     model, evals, theta, opt, workers = _setup(cfg, peers, steps, lr, momentum, data_seed)
     delta = [torch.zeros_like(t) for t in theta]
     part = [torch.zeros_like(t) for t in theta]
-    feedback = [ErrorFeedback(codec, theta) if codec is not None and codec.align > 1 else None for _ in workers]
+    feedback = [ErrorFeedback(codec, theta, decay) if codec is not None and codec.align > 1 else None for _ in workers]
     curve = [evaluate(model, evals, CPU)]
     for rnd in range(steps // h):
         for d in delta:
@@ -80,7 +82,7 @@ def simulate(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: f
                 d.add_(p)
         for d in delta:
             d.div_(peers)
-        opt.step(delta if codec is None else _encoded(codec, None, delta))
+        opt.step(delta if codec is None or gather else _encoded(codec, None, delta))
         outer.load_into(model.parameters(), theta)
         curve.append(evaluate(model, evals, CPU))
     for _, stream, _ in workers:
@@ -196,6 +198,8 @@ def main() -> int:
                     help="outer.compression of each blocking arm (none given: no blocking arm)")
     ap.add_argument("--density", type=float, default=1 / 64, help="topk's density")
     ap.add_argument("--bits", type=int, default=2, choices=(2, 4, 8), help="topk's value bits")
+    ap.add_argument("--ef-decay", type=float, default=1.0, help="topk: the error feedback's decay (SparseLoCo: 0.95)")
+    ap.add_argument("--gather", action="store_true", help="codec arms: the mean is not encoded again (all-gather)")
     ap.add_argument("--streaming", nargs="+", default=[], metavar="F:ALPHA:DELAY",
                     help="also Streaming DiLoCo with F fragments, merge factor alpha, delay in inner steps")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -215,8 +219,9 @@ def main() -> int:
         for (lr, m), name in [(o, c) for o in args.outer for c in args.codecs]:
             t0 = time.monotonic()
             codec = None if name == "none" else get_codec(name, args.density, args.bits)
-            curve = simulate(cfg, args.peers, args.steps, h, lr, m, args.data_seed, codec)
-            print(f"sweep h={h} outer={lr}:{m} codec={name} final={curve[-1]:.4f} wall={time.monotonic() - t0:.0f}s "
+            curve = simulate(cfg, args.peers, args.steps, h, lr, m, args.data_seed, codec, args.ef_decay, args.gather)
+            print(f"sweep h={h} outer={lr}:{m} codec={name} decay={args.ef_decay} gather={args.gather} "
+                  f"final={curve[-1]:.4f} wall={time.monotonic() - t0:.0f}s "
                   f"curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
         for (lr, m), mode in [(o, x) for o in args.outer for x in args.overlap]:
             t0 = time.monotonic()

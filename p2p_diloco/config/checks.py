@@ -153,6 +153,8 @@ def check_codec(cfg: Config) -> None:
         raise ConfigError(f"outer.topk_density must be in (0, 0.5], got {o.topk_density}")
     if o.topk_bits not in (2, 4, 8):
         raise ConfigError(f"outer.topk_bits must be 2, 4 or 8, got {o.topk_bits}")
+    if not 0.0 < o.topk_error_decay <= 1.0:
+        raise ConfigError(f"outer.topk_error_decay must be in (0, 1], got {o.topk_error_decay}")
     if o.compression != "topk":
         return
     if o.sharding != "rank0":

@@ -34,7 +34,8 @@ SHARDED_ONLY = frozenset({"outer.sharding", "outer.shards"})
 # Settings added after runs were made: fingerprinted only when not at their default, so a run (and its checkpoints)
 # made before they existed keeps its fingerprint, while peers that set them differently still cannot average.
 OMITTED_AT_DEFAULT = frozenset({"outer.aggregation", "outer.norm_bound", "outer.trim", "train.total_steps",
-                                "outer.topk_density", "outer.topk_bits", "outer.fragments", "outer.fragment_alpha"})
+                                "outer.topk_density", "outer.topk_bits", "outer.fragments", "outer.fragment_alpha",
+                                "outer.topk_error_decay"})
 # Single settings of the other sections that every peer of a run must share: the seed of theta(0), the round mode,
 # and the horizon of the inner lr schedule (so that every peer trains a round with the same lr, whatever its
 # --max-rounds, and a run stopped and resumed with a larger --max-rounds continues exactly).
@@ -136,6 +137,10 @@ class OuterConfig:
     # not sent stays in this peer's error feedback (outer/error_feedback.py) and goes out in later rounds
     topk_density: float = 1 / 64
     topk_bits: int = 2
+    # topk: the error feedback is multiplied by this before each round's pseudo-gradient is added (SparseLoCo's
+    # beta, arXiv 2508.15706: with outer.momentum = 0 the accumulator stands in for outer momentum); 1 = nothing
+    # unsent is ever dropped
+    topk_error_decay: float = 1.0
     overlap: bool = False  # average round r in the background while training round r+1 (outer step one round late)
     # Streaming DiLoCo (p2p_diloco/outer/fragments.py): a round syncs 1 of `fragments` parts of the parameters, in
     # turn, so each part is synced every `fragments` rounds; its new theta is merged into the weights that kept

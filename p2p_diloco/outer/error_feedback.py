@@ -4,7 +4,9 @@ Each peer keeps ``error`` (local, in its checkpoints, never synchronised). At a 
 decoded encoding of ``pseudo_gradient + error`` and keeps the rest: ``error <- pseudo_gradient + error - sent``
 (Karimireddy et al., arXiv 1901.09847; SparseLoCo, arXiv 2508.15706, with top-k and 2-bit values). The sum of what a
 peer sent over the rounds then differs from the sum of its pseudo-gradients by only the current ``error``: nothing
-is lost, only delayed.
+is lost, only delayed. With a decay beta < 1 (``outer.topk_error_decay``), ``error <- pseudo_gradient + beta *
+error - sent``, SparseLoCo's accumulator: what stays unsent fades, and with ``outer.momentum = 0`` it stands in for
+the outer momentum.
 
 The encoding is computed here, over the concatenation of the tensors in the order the data plane concatenates them,
 in chunks from its start. The data plane cuts its slices on the same chunk boundaries (``Codec.align``), and the
@@ -32,10 +34,12 @@ class ErrorFeedback:
     Args:
         codec: the run's codec (``outer.compression``).
         like: tensors shaped like the pseudo-gradient (the all-reduce's buffers, in their order).
+        decay: the error is multiplied by it before the next pseudo-gradient is added (SparseLoCo's beta: the
+            accumulator then stands in for outer momentum); 1: nothing is lost, only delayed.
     """
 
-    def __init__(self, codec: Codec, like: Tensors):
-        self.codec = codec
+    def __init__(self, codec: Codec, like: Tensors, decay: float = 1.0):
+        self.codec, self.decay = codec, decay
         self.shapes = [t.shape for t in like]
         self.error = torch.zeros(sum(t.numel() for t in like), dtype=torch.float32)
         self._next: torch.Tensor | None = None  # the error after the round being synced, until it commits
@@ -43,7 +47,8 @@ class ErrorFeedback:
     def compensate(self, pseudo_gradient: Tensors) -> list[torch.Tensor]:
         """What to send for ``pseudo_gradient`` (left unchanged): the codec's decoded encoding of it plus the
         error, in its shapes. The error is not changed until :meth:`accept`."""
-        total = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in pseudo_gradient]).add_(self.error)
+        total = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in pseudo_gradient]).add_(
+            self.error, alpha=self.decay)
         sent = self.codec.round_trip(total)
         self._next = total.sub_(sent)
         return [piece.view(shape) for piece, shape in zip(sent.split([s.numel() for s in self.shapes]),

@@ -73,7 +73,8 @@ class Peer:
         self.inner = InnerLoop(ctx, training, self.stats)
         self.syncer = Syncer(ctx, self.state_sync, self.stats, self.chain)
         # topk's error feedback (outer/error_feedback.py): what this peer has not sent yet, local to it
-        self.feedback = (ErrorFeedback(codec_for(ctx.cfg.outer), ctx.state.tensors_like())
+        self.feedback = (ErrorFeedback(codec_for(ctx.cfg.outer), ctx.state.tensors_like(),
+                                       ctx.cfg.outer.topk_error_decay)
                          if ctx.cfg.outer.compression == "topk" else None)
         self.checkpoints = Checkpointer(ctx, training, self.stats, cluster, self.feedback)
         self.rounds = Rounds(ctx, training, self.inner, self.syncer, self.checkpoints, self.stats, self.feedback)

@@ -25,6 +25,14 @@ def _lone(tmp_path, name, extra=(), resume=None, codec=()):
         return peer
 
 
+def test_the_error_feedback_decay_reaches_the_peer(tmp_path):
+    """outer.topk_error_decay (SparseLoCo's beta) is the peer's: a decayed error sends other bits from round 2 on."""
+    plain = _lone(tmp_path, "plain", codec=TOPK).summary()
+    decayed = _lone(tmp_path, "decayed", codec=(*TOPK, "outer.topk_error_decay=0.5")).summary()
+    assert plain["rounds_completed"] == decayed["rounds_completed"] == 4
+    assert decayed["global_digest"] != plain["global_digest"]
+
+
 @pytest.mark.parametrize("codec", [(), TOPK, ("outer.fragments=2",)], ids=["none", "topk", "fragments"])
 def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, codec):
     """With topk, the error feedback (what the peer has not sent yet) is part of what resumes exactly: without it

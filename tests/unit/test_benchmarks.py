@@ -99,3 +99,16 @@ def test_overlap_benchmark_arms_and_verdict():
     assert verdict(rows) == (pytest.approx(1.005), 0.96, "streaming-f4")
     y, _, name = verdict(rows[1:])
     assert name == "-" and y != y  # no blocking arm: nan
+
+
+def test_compression_benchmark_topk_arms_take_sparselocos_outer_step():
+    from benchmarks.compression import arms_of
+
+    from p2p_diloco.config import load_config
+
+    arms = dict(arms_of([1 / 64, 1 / 32], 2, ["outer.lr=2"]))
+    assert list(arms) == ["fp32", "int8", "int4", "topk-0.0156-2bit", "topk-0.0312-2bit"]
+    fine = load_config(None, arms["topk-0.0156-2bit"][:-1])  # without the --topk-set item
+    assert (fine.outer.lr, fine.outer.momentum, fine.outer.topk_error_decay) == (8.0, 0.0, 0.95)
+    assert load_config(None, arms["topk-0.0312-2bit"]).outer.lr == 2.0  # a --topk-set item comes last: it wins
+    assert load_config(None, arms["int4"]).outer == load_config(None, ["outer.compression='int4'"]).outer

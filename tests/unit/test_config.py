@@ -226,6 +226,8 @@ def test_a_true_false_choice_takes_an_unquoted_bool():
     (["outer.compression='topk'", "outer.aggregation='mean'", "outer.sharding='sharded'"], "needs outer.sharding"),
     (["outer.topk_bits=3"], "outer.topk_bits must be 2, 4 or 8"),
     (["outer.topk_density=0.9"], "outer.topk_density must be in (0, 0.5]"),
+    (["outer.topk_error_decay=0"], "outer.topk_error_decay must be in (0, 1]"),
+    (["outer.topk_error_decay=1.5"], "outer.topk_error_decay must be in (0, 1]"),
 ])
 def test_topk_settings_are_checked(items, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
@@ -237,3 +239,6 @@ def test_topk_settings_are_fingerprinted_only_when_set():
     assert load_config(None, ["outer.compression='topk'", "outer.aggregation='mean'",
                               "outer.topk_density=0.03"]).fingerprint() != base.fingerprint()
     assert Config().fingerprint() == load_config(None, ["outer.topk_bits=2"]).fingerprint()
+    assert Config().fingerprint() == load_config(None, ["outer.topk_error_decay=1.0"]).fingerprint()
+    assert load_config(None, ["outer.compression='topk'", "outer.aggregation='mean'",
+                              "outer.topk_error_decay=0.95"]).fingerprint() != base.fingerprint()

@@ -56,6 +56,17 @@ def test_over_rounds_only_the_current_error_is_missing_and_a_failed_round_change
     assert (feedback.error != 0).any() and feedback.error.norm() < total_pg.norm()
 
 
+def test_a_decayed_error_keeps_beta_times_the_old_error():
+    # SparseLoCo's accumulator (outer.topk_error_decay): e' = beta * e + pseudo-gradient - sent
+    feedback = ErrorFeedback(get_codec("topk"), _pseudo_gradient(0), decay=0.95)
+    previous = torch.randn(feedback.error.numel(), generator=torch.Generator().manual_seed(9)) * 1e-3
+    feedback.load(previous)
+    pg = _pseudo_gradient(1)
+    sent = feedback.compensate(pg)
+    feedback.accept()
+    torch.testing.assert_close(_flat(sent) + feedback.error, _flat(pg) + 0.95 * previous, rtol=0, atol=1e-9)
+
+
 def test_the_error_survives_a_checkpoint_exactly(tmp_path):
     feedback = ErrorFeedback(get_codec("topk"), _pseudo_gradient(0))
     feedback.compensate(_pseudo_gradient(1))
