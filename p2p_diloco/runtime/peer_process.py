@@ -135,7 +135,8 @@ class PeerProcess:
 
     def on_line(self, line: str) -> None:
         """Called for every stdout line, in order, after it is kept (by the reader thread, or by the thread that
-        saw the exit in :meth:`wait`/:meth:`poll`); a subclass's protocol hook."""
+        saw the exit in :meth:`wait`/:meth:`poll`, under the reader's lock: it must not wait for another thread
+        that may be in those); a subclass's protocol hook."""
 
     def on_eof(self) -> None:
         """Called once stdout is closed by all its writers (the process exited, or closed it), after the last line."""
