@@ -5,12 +5,13 @@ averager and p2pd processes too), so a test can prove that nothing it started is
 from __future__ import annotations
 
 import os
-import signal
 import time
 import uuid
 
 import psutil
 import pytest
+
+from p2p_diloco.runtime.processes import kill_group
 
 TAG_VAR = "P2P_DILOCO_TEST_TAG"
 
@@ -81,10 +82,7 @@ def reap():
     yield tag
     leftovers = tagged_processes(tag)
     for proc in leftovers:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        kill_group(proc.pid)  # (and its tensors' /dev/shm files)
         try:
             proc.kill()
         except psutil.Error:

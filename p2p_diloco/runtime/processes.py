@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -114,12 +115,46 @@ def _reap_once(timeout: float, only: set[int] | None) -> bool:
     return True
 
 
+SHARED_MEMORY = Path("/dev/shm")  # where torch's file_system sharing strategy names its tensors' files
+
+
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to a whole process group, ignoring a group that is already gone."""
+    """Send ``sig`` to a whole process group, ignoring a group that is already gone.
+
+    With SIGKILL, the shared-memory files of the group's tensors are deleted too. hivemind has torch share tensors
+    through named files (the file_system strategy), which torch's ``torch_shm_manager`` deletes once their process
+    exits; but it is in the group and dies in the same kill, and the files would stay in /dev/shm, in memory, until
+    the machine restarts (measured: 252 files, 74 MB, left by one run of the test suite).
+    """
+    members = group_members(pgid) if sig == signal.SIGKILL else []
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+    remove_shared_tensors(members)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the processes of group ``pgid`` now."""
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid:
+                members.append(pid)
+        except OSError:
+            pass
+    return members
+
+
+def remove_shared_tensors(pids: list[int]) -> None:
+    """Delete the shared-memory files that torch named after these (killed) processes: ``torch_<pid>_*``. A mapping
+    that a process still holds stays valid; only the name goes."""
+    for pid in pids:
+        for path in SHARED_MEMORY.glob(f"torch_{pid}_*"):
+            try:
+                path.unlink()
+            except OSError:
+                pass
 
 
 def group_alive(pgid: int) -> bool:

@@ -3,7 +3,6 @@ every peer, byte counts, and all-or-nothing failure when a peer dies in the midd
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.runtime.processes import wait_group_gone
+from p2p_diloco.runtime.processes import kill_group, wait_group_gone
 from p2p_diloco.outer.codecs import get_codec
 from tests.swarm.averager_peer import SHAPES, make_tensors
 
@@ -66,10 +65,7 @@ def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", t
     finally:
         for p in procs:
             wait_group_gone(p.pid, timeout=10)  # let torch_shm_manager delete the /dev/shm files and quit
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            kill_group(p.pid)
             p.wait()
     results = {}
     for i in range(n):

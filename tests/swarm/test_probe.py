@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from p2p_diloco.config import Config
+from p2p_diloco.runtime.processes import kill_group
 from p2p_diloco.swarm.probe import refused, tcp_address
 from p2p_diloco.swarm.swarm import Swarm
 from tests.conftest import TAG_VAR
@@ -53,7 +54,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         try:
             p.wait(timeout=15)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            kill_group(p.pid)
         p.stdout.close()
 
 
