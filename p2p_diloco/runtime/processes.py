@@ -121,10 +121,10 @@ SHARED_MEMORY = Path("/dev/shm")  # where torch's file_system sharing strategy n
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
     """Send ``sig`` to a whole process group, ignoring a group that is already gone.
 
-    With SIGKILL, the shared-memory files of the group's tensors are deleted too. hivemind has torch share tensors
-    through named files (the file_system strategy), which torch's ``torch_shm_manager`` deletes once their process
-    exits; but it is in the group and dies in the same kill, and the files would stay in /dev/shm, in memory, until
-    the machine restarts (measured: 252 files, 74 MB, left by one run of the test suite).
+    With SIGKILL, the shared-memory files of the group's live processes' tensors are deleted too. hivemind has torch
+    share tensors through named files (the file_system strategy), which torch's ``torch_shm_manager`` (a process of
+    its own group) is meant to delete once their process exits; after a SIGKILL it did not (measured:
+    tests/unit/test_processes.py), and the files would stay in /dev/shm, in memory, until the machine restarts.
     """
     members = group_members(pgid) if sig == signal.SIGKILL else []
     try:

@@ -208,8 +208,8 @@ _SHARING = ("import time, torch, torch.multiprocessing as mp\n"
 
 
 def test_a_killed_group_leaves_no_shared_memory_files():
-    # torch's torch_shm_manager deletes a tensor's /dev/shm file once its process exits, but a SIGKILL of the group
-    # kills it too: the file stayed (252 files, 74 MB in memory, after one run of the suite)
+    # torch's torch_shm_manager is meant to delete a tensor's /dev/shm file once its process exits; after a SIGKILL
+    # of the process's group the file stayed (in memory, until the machine restarts)
     from pathlib import Path
 
     from p2p_diloco.runtime.processes import kill_group, wait_group_gone
