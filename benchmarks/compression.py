@@ -37,8 +37,9 @@ LOSS_BUDGET = 1.01  # the loss an arm may reach, over fp32's, and still count as
 def topk_outer(density: float) -> list[str]:
     """The outer step of a topk arm: SparseLoCo's (arXiv 2508.15706), error feedback decayed by 0.95 and no outer
     momentum, with an outer lr of 1 / (8 x density): 8 at 1/64, 4 at 1/32. A position that one member of N sends
-    is divided by N in the average, so sparse averages need a larger step than dense ones. Chosen in the simulator
-    on data seed 11, never on this benchmark's seed (docs/performance.md: the table of every setting tried)."""
+    is divided by N in the average, so sparse averages need a larger step than dense ones. From the simulator on
+    data seed 11 (docs/performance.md: every setting tried); at 1/32, lr 4 was tried there after this benchmark's
+    lr 8 arm had ended worse."""
     return ["outer.momentum=0", "outer.topk_error_decay=0.95", f"outer.lr={1 / (8 * density):g}"]
 
 
