@@ -2,9 +2,9 @@
 
 Why not a thread iterating ``popen.stdout``: a process that exited has written all of its output into the pipe,
 but the thread may not have read it yet, so whoever saw the exit and then looked at the lines could miss the last
-ones (a CI failure: a peer's one-line refusal not there right after ``wait()``). Waiting for the pipe's end does
-not help either: a peer's other processes (p2pd, forks) inherit the pipe and hold it open a while after the main
-process exits (measured: 6 of 6 waits in the bootstrap test ran into a 2 s cap).
+ones (a CI failure of this kind: a process's stderr line not yet in the list after its end). Waiting for the
+pipe's end does not help either: a peer's other processes (p2pd, forks) inherit the pipe and hold it open a while
+after the main process exits (measured: 6 of 6 waits in the bootstrap test ran into a 2 s cap).
 
 So the pipe is non-blocking and every read happens under a lock, together with the splitting and the callbacks:
 :meth:`LineReader.drain`, called once the process has exited, takes the lock (whatever the thread had read is
