@@ -20,6 +20,12 @@ host names a leader for an attempt:
   requests a second for the whole attempt); its request carries that deadline as its expiration. A follower
   whose attempt ends first starts the next one at once and joins again: the leader's attempt is the clock, and
   the group forms once every member is in it;
+* a follower waits for the leader's answer to its request until its step's deadline, not hivemind's
+  ``request_timeout``: the leader assembles the group the moment it has sent ACCEPTED to the member that fills
+  it, so a follower that gave up on an answer still in flight was counted in a group it never heard of, and the
+  others waited out the data plane's timeout for its parts (CI, 2026-12-07: round 1 of a 3-peer swarm lost 20 s
+  and an attempt). hivemind's short wait breaks request cycles (A asks B while B asks A); a follower asks only
+  its leader, which asks nobody, so there is none to break;
 * the leader takes a follower whatever its expiration (hivemind refuses one that expires before the leader's own
   declaration: a leader that started later than its followers would refuse them all);
 * a group assembles the moment the last member joins (hivemind's ``target_group_size``).
@@ -73,6 +79,19 @@ def install(mm) -> None:
             return request_expiration()
         return potential.search_end_time  # we wait for the leader until our step's deadline
 
+    request_join_group = mm._request_join_group
+
+    async def led_request_join_group(leader: PeerID):
+        deadline = potential.search_end_time
+        if mm.designated_leader is None or leader != mm.designated_leader or not math.isfinite(deadline):
+            return await request_join_group(leader)
+        usual = mm.request_timeout  # (read only by _request_join_group: its wait for the leader's answers)
+        mm.request_timeout = max(usual, deadline - get_dht_time())
+        try:
+            return await request_join_group(leader)
+        finally:
+            mm.request_timeout = usual
+
     check = mm._check_reasons_to_reject
 
     def led_check(request: averaging_pb2.JoinRequest, context):
@@ -84,6 +103,7 @@ def install(mm) -> None:
         return check(request, context)
 
     potential.pop_next_leader, mm.get_request_expiration_time = led_pop_next_leader, led_request_expiration
+    mm._request_join_group = led_request_join_group
     mm._check_reasons_to_reject = led_check
 
 

@@ -224,6 +224,43 @@ def rewrite_addresses(rogue: str, out: str) -> None:
     Matchmaking.leader_assemble_group = rewriting
 
 
+def slow_accept(seconds: float) -> None:
+    """Patch the follower so that it reads each leader's first answer (ACCEPTED) ``seconds`` after it arrived: the
+    message in flight on a loaded machine, while the leader, which assembles the group the moment it has sent
+    ACCEPTED to the member that fills it, already counts us in (CI, 2026-12-07)."""
+    from p2p_diloco.swarm.exact_averager import ExactAverager
+
+    get_stub = ExactAverager.get_stub.__func__
+
+    class Late:
+        def __init__(self, stream):
+            self.stream, self.first = stream, True
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            message = await self.stream.__anext__()
+            if self.first:
+                self.first = False
+                await asyncio.sleep(seconds)
+            return message
+
+        async def aclose(self):
+            await self.stream.aclose()
+
+    def slow_stub(cls, p2p, peer, *, namespace=None):
+        stub = get_stub(cls, p2p, peer, namespace=namespace)
+        join = stub.rpc_join_group
+
+        async def late_join(request, *args, **kwargs):
+            return Late(await join(request, *args, **kwargs))
+        stub.rpc_join_group = late_join
+        return stub
+
+    ExactAverager.get_stub = classmethod(slow_stub)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("index", type=int)
@@ -244,6 +281,8 @@ def main() -> None:
     p.add_argument("--list-self-twice", action="store_true", help="a leader holding two members' slots")
     p.add_argument("--led-by-0", action="store_true",
                    help="name peer 0 the leader of every attempt (led_matchmaking.py), as a Swarm names the round's")
+    p.add_argument("--slow-accept", type=float, default=0.0,
+                   help="a follower that reads its leader's ACCEPTED this many seconds after it arrived")
     p.add_argument("--rewrite-addresses", default=None, help="a leader pointing the followers' data at this address")
     p.add_argument("--fd-headroom", type=int, default=None,
                    help="--transport tcp: serve the data port at once, then allow only this many more open files")
@@ -271,6 +310,8 @@ def main() -> None:
         list_self_twice(args.out)
     if args.connect_after:
         connect_after(args.connect_after)
+    if args.slow_accept:
+        slow_accept(args.slow_accept)
     if args.rewrite_addresses:
         rewrite_addresses(args.rewrite_addresses, args.out)
     if args.fd_headroom is not None:
@@ -326,7 +367,8 @@ def main() -> None:
         # Like Swarm.all_reduce: every attempt starts from our own tensors and the round's group key, because a
         # failed attempt leaves garbage in the buffers and hivemind moves the group key once a group assembles.
         # A retry is needed in practice: hivemind's matchmaking can assemble a group that one follower never hears
-        # of (its join stream is reset), and then the others' all-reduce aborts for want of its parts.
+        # of (its join stream is reset, or, with hivemind's election, it gave up on an ACCEPTED still in flight:
+        # led_matchmaking.py), and then the others' all-reduce aborts for want of its parts.
         with av.get_tensors() as ts:
             torch.cat([t.reshape(-1) for t in mine], out=ts[0]) if args.in_place else [
                 t.copy_(m) for t, m in zip(ts, mine)]

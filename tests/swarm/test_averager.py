@@ -349,3 +349,16 @@ def test_a_slow_loris_on_a_members_data_port_cannot_stop_the_group(tmp_path, rea
     err = torch.cat([(g - w).flatten() for g, w in zip(got, expected)]).norm() / torch.cat(
         [w.flatten() for w in expected]).norm()
     assert err < TOLERANCE["none"], err
+
+
+def test_a_follower_accepted_late_is_still_in_its_group(tmp_path, reap):
+    """CI, 2026-12-07, round 1 of a 3-peer swarm: two members waited 20 s for the third's part, which never came,
+    and the round needed a second attempt. The leader assembles the group the moment it has sent ACCEPTED to the
+    member that fills it; on a loaded machine that answer can reach the follower later than hivemind's
+    ``request_timeout`` (2 s here), and a follower that gave up was counted in a group it never heard of. Here
+    both followers read each ACCEPTED 3 s late: with the leader named (led_matchmaking.py) they wait for it until
+    their step's deadline, and the group averages at the first attempt."""
+    led, late = ["--led-by-0"], ["--led-by-0", "--slow-accept", "3"]
+    results = _run(tmp_path, 3, reap, transport="tcp", extra={0: led, 1: late, 2: late})
+    assert all(r["ok"] and r["attempts"] == 1 and r["group_size"] == 3 for r in results.values()), results
+    assert len({r["digest"] for r in results.values()}) == 1

@@ -30,7 +30,7 @@ def _in_averager(me: PeerID = PEERS[0], target: int = 2):
     mm = SimpleNamespace(group_key_manager=keys, potential_leaders=PotentialLeaders(me, 5.0, target),
                          target_group_size=target, min_group_size=target, peer_id=me,
                          get_request_expiration_time=lambda: 0.0,
-                         _check_reasons_to_reject=lambda request, context: None)
+                         _check_reasons_to_reject=lambda request, context: None, _request_join_group=None)
     return SimpleNamespace(_matchmaking=mm, _guard_matchmaking=lambda mm: None, allowed=None,
                            _is_allowed=lambda peer: True, _attempt_runners=("a runner of the last attempt",))
 

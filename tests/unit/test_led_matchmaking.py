@@ -4,10 +4,10 @@ leader accepts. The real matchmaking runs in tests/swarm (3–6 peers) and bench
 
 import asyncio
 import time
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import pytest
-from hivemind.averaging.matchmaking import PotentialLeaders
+from hivemind.averaging.matchmaking import Matchmaking, PotentialLeaders
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
@@ -34,6 +34,7 @@ def _matchmaking(me: PeerID = ME):
     potential.pop_next_leader = hivemind_pop
     mm = SimpleNamespace(peer_id=me, potential_leaders=potential, get_request_expiration_time=lambda: 1.0,
                          _check_reasons_to_reject=check)
+    mm._request_join_group = MethodType(Matchmaking._request_join_group, mm)  # hivemind's own, on this stand-in
     return mm, seen
 
 
@@ -91,3 +92,66 @@ def test_the_leader_takes_a_follower_whose_expiration_is_earlier_than_its_own_de
     assert seen[-1] == mm.potential_leaders.declared_expiration_time and request.expiration < seen[-1]
     designate(mm, OTHER.to_base58())  # not the leader: hivemind's rule again
     assert mm._check_reasons_to_reject(request, None).code == averaging_pb2.BAD_EXPIRATION_TIME
+
+
+class _Stream:
+    """The follower's end of a join request: the leader's ACCEPTED arrives ``accepted_after`` s after the request
+    (None: never), then BEGIN_ALLREDUCE at once."""
+
+    def __init__(self, accepted_after: float | None):
+        self.messages = [(accepted_after, averaging_pb2.MessageFromLeader(code=averaging_pb2.ACCEPTED)),
+                         (0.0, averaging_pb2.MessageFromLeader(code=averaging_pb2.BEGIN_ALLREDUCE))]
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        delay, message = self.messages.pop(0)
+        await asyncio.sleep(3600 if delay is None else delay)
+        return message
+
+    async def aclose(self):
+        pass
+
+
+def _follower(accepted_after: float | None, leader: PeerID | None, deadline_in: float):
+    """A follower on hivemind's own ``_request_join_group``, with a 0.2 s ``request_timeout``, asking LEADER."""
+    mm, _ = _matchmaking()
+    stub = SimpleNamespace(rpc_join_group=lambda request: asyncio.sleep(0, _Stream(accepted_after)))
+    group = object()
+
+    async def assembled(leader_, message):
+        assert message.code == averaging_pb2.BEGIN_ALLREDUCE
+        return group
+
+    mm.__dict__.update(
+        request_timeout=0.2, is_looking_for_group=True, current_leader=None, current_followers={}, client_mode=False,
+        schema_hash=b"s", _servicer_type=SimpleNamespace(get_stub=lambda *a, **k: stub), _p2p=None, _prefix="p",
+        step_control=SimpleNamespace(data_for_gather=b"g"), group_key_manager=SimpleNamespace(current_key="k"),
+        follower_assemble_group=assembled)
+    designate(mm, leader and leader.to_base58())
+
+    async def ask():
+        mm.lock_request_join_group, mm.was_accepted_to_group = asyncio.Lock(), asyncio.Event()
+        mm.potential_leaders.search_end_time = get_dht_time() + deadline_in
+        started = time.monotonic()
+        return await mm._request_join_group(LEADER), time.monotonic() - started
+    return mm, group, ask
+
+
+def test_a_follower_waits_for_its_leaders_answer_until_its_deadline():
+    """The leader assembles its group the moment it has sent ACCEPTED to the member that fills it: a follower that
+    gives up on an answer still in flight is counted in a group it never hears of (CI, 2026-12-07)."""
+    mm, group, ask = _follower(accepted_after=0.5, leader=LEADER, deadline_in=5.0)
+    result, _ = asyncio.run(ask())
+    assert result is group  # waited 0.5 s for its answer, more than hivemind's request_timeout of 0.2 s
+    assert mm.request_timeout == 0.2  # hivemind's own again afterwards
+    mm, _, ask = _follower(accepted_after=0.5, leader=None, deadline_in=5.0)
+    assert asyncio.run(ask())[0] is None  # hivemind's election: gives up after request_timeout (the race above)
+
+
+def test_a_followers_wait_for_an_answer_ends_at_its_deadline():
+    mm, _, ask = _follower(accepted_after=None, leader=LEADER, deadline_in=0.6)
+    result, waited = asyncio.run(ask())
+    assert result is None and 0.5 < waited < 2.0, waited
+    assert mm.request_timeout == 0.2
