@@ -30,6 +30,13 @@ def tagged_processes(tag: str) -> list[psutil.Process]:
     return found
 
 
+def _is_shm_manager(proc: psutil.Process) -> bool:
+    try:
+        return proc.name().startswith("torch_shm")
+    except psutil.Error:
+        return False
+
+
 def survivors(tag: str, grace: float = 15.0) -> list[str]:
     """Command lines of tagged processes still alive after ``grace`` seconds (torch_shm_manager needs a few
     seconds after its last client exits to delete the shared-memory files and quit by itself)."""
@@ -77,10 +84,19 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture
 def reap():
-    """A fresh tag for this test's processes; at teardown every tagged process still alive is killed."""
+    """A fresh tag for this test's processes; at teardown every tagged process still alive is killed
+    (:func:`reap_tagged`)."""
     tag = uuid.uuid4().hex
     yield tag
-    leftovers = tagged_processes(tag)
+    reap_tagged(tag)
+
+
+def reap_tagged(tag: str) -> None:
+    """Kill every process whose environment carries ``tag``, except torch's ``torch_shm_manager``: it deletes the
+    /dev/shm files of the tensors its clients shared (hivemind's file_system strategy) 2 s after its last client is
+    gone, and then exits by itself; killed in those 2 s, it left them (6 files after each 3-peer test of
+    test_averager.py). Its clients are tagged processes, all killed here, so it outlives them by those 2 s only."""
+    leftovers = [p for p in tagged_processes(tag) if not _is_shm_manager(p)]
     for proc in leftovers:
         kill_group(proc.pid)  # (and its tensors' /dev/shm files)
         try:

@@ -208,8 +208,8 @@ _SHARING = ("import time, torch, torch.multiprocessing as mp\n"
 
 
 def test_a_killed_group_leaves_no_shared_memory_files():
-    # torch's torch_shm_manager is meant to delete a tensor's /dev/shm file once its process exits; after a SIGKILL
-    # of the process's group the file stayed (in memory, until the machine restarts)
+    # the files are gone as soon as the group is: torch's torch_shm_manager (a group of its own) deletes them only
+    # 2 s after its last client is gone, and not at all if it is killed meanwhile
     from pathlib import Path
 
     from p2p_diloco.runtime.processes import kill_group, wait_group_gone
@@ -226,6 +226,30 @@ def test_a_killed_group_leaves_no_shared_memory_files():
     finally:
         kill_group(proc.pid)
         proc.wait(10)
+
+
+def test_the_test_reaper_leaves_torch_shm_manager_to_delete_the_files():
+    """Killed 2 s after its last client exited, torch_shm_manager left that client's /dev/shm files: the test
+    fixture ``reap`` killed it so after every multi-peer test (6 files after each 3-peer test of
+    tests/swarm/test_averager.py)."""
+    import os
+    import uuid
+    from pathlib import Path
+
+    from tests.conftest import TAG_VAR, reap_tagged
+
+    tag = uuid.uuid4().hex
+    exiting = _SHARING.replace("time.sleep(60)", "import os; os._exit(0)")  # no cleanup of its own: as a fork does
+    proc = subprocess.Popen([sys.executable, "-c", exiting], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, TAG_VAR: tag})
+    assert proc.stdout.readline() == "ready\n"
+    files = list(Path("/dev/shm").glob(f"torch_{proc.pid}_*"))
+    assert files and proc.wait(10) == 0
+    reap_tagged(tag)  # at once: the manager is in its 2 s
+    deadline = time.monotonic() + 5
+    while any(f.exists() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(f.exists() for f in files)
 
 
 def _fake_peer(argv: list[str]) -> None:
