@@ -123,9 +123,9 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
 
     With SIGKILL, the shared-memory files of the group's live processes' tensors are deleted too. hivemind has torch
     share tensors through named files (the file_system strategy). torch's ``torch_shm_manager`` (a process of its
-    own group) deletes them 2 s after its last client is gone, but not if it is killed in those 2 s (a test
-    reaper did: tests/conftest.py), and then they stay in /dev/shm, in memory, until the machine restarts; here they
-    go at once, whatever happens to the manager.
+    own group) deletes them 2 s after its last client is gone, but not if it is killed in those 2 s (the tests'
+    reaper did, until it spared the manager: tests/conftest.py), and then they stay in /dev/shm, in memory, until the
+    machine restarts; here they go at once, whatever happens to the manager.
     """
     members = group_members(pgid) if sig == signal.SIGKILL else []
     try:
