@@ -37,6 +37,8 @@ class StateSync:
         self.catch_up()
         deadline = ctx.clock.monotonic() + sc.round_timeout
         phase = Phase.JOIN if ctx.cfg.outer.overlap else Phase.TRAIN
+        # decide_join's ``waited``: we took the state of a boundary we had waited for
+        waiting = caught_up_after_wait = False
         while not ctx.stop.is_set():
             view = ctx.view()
             ahead = sum(1 for claimed in self.chain.unverified.values() if claimed > ctx.state.round)
@@ -44,11 +46,14 @@ class StateSync:
                                        overlap=ctx.cfg.outer.overlap, waits_for_min_peers=sc.min_peers > 1,
                                        finished=finished(), now=ctx.clock.monotonic(), deadline=deadline,
                                        poll=min(rules.JOIN_POLL, sc.heartbeat_period), me=ctx.swarm.peer_id or "",
-                                       head_members=self.chain.head_members(), unverified_ahead=ahead)
+                                       head_members=self.chain.head_members(), unverified_ahead=ahead,
+                                       waited=caught_up_after_wait)
             if isinstance(action, Start):
                 return action.phase
             if isinstance(action, CatchUp):
                 self.catch_up()
+                caught_up_after_wait = waiting
+            waiting = waiting or isinstance(action, Wait)
             ctx.status(f"joined; waiting for the swarm to finish round {ctx.state.round + 1}")
             ctx.sleep(min(rules.JOIN_POLL, sc.heartbeat_period))
         return phase

@@ -50,7 +50,8 @@ def decide_first_round(view: View, round_: int, min_peers: int, now: float, dead
 
 def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, waits_for_min_peers: bool,
                 finished: bool, now: float, deadline: float, poll: float = JOIN_POLL, me: str = "",
-                head_members: Collection[str] | None = None, unverified_ahead: int = 0) -> CatchUp | Start | Wait:
+                head_members: Collection[str] | None = None, unverified_ahead: int = 0,
+                waited: bool = False) -> CatchUp | Start | Wait:
     """A newcomer holding theta(``round_``): start now, catch up first, or wait for the next round boundary?
 
     A newcomer that starts a round that is well under way makes every other peer of that round wait for its inner
@@ -69,6 +70,13 @@ def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, wai
     with a new identity and has not been in a group since) waits for one it can verify, until ``deadline``:
     starting now would start a chain of its own from theta(0) beside the swarm's (found by ``benchmarks/chaos.py
     --new-identity``: newcomers trained alone from round 1).
+
+    A newcomer that already waited for a round boundary and then took the state of that boundary (``waited``)
+    starts at once, however far the round is: the round went on while it downloaded, and the next boundary would
+    look the same, the download taking as long again. Waiting again made newcomers wait, download and wait once per
+    round without ever training (found by ``benchmarks/chaos.py``: a restarted peer took 7 states in 140 s; at
+    H = 10 and 11 peers a round is "well under way" after one inner step of the fastest peer). Joining late costs
+    the others the steps they wait for us, once (the straggler deadline bounds it); waiting again costs all our work.
     """
     phase = Phase.JOIN if overlap else Phase.TRAIN
     if finished:
@@ -87,6 +95,9 @@ def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, wai
         if still and not keeps_enough(head_members, still):
             return Start(phase=phase, reason=f"only {len(still)} of the {len(head_members)} members of round "
                                              f"{round_}'s group are left in it: the hand-off needs us")
+    if waited:
+        return Start(phase=phase, reason=f"we waited for round {round_}'s boundary and took its state: the next "
+                                         f"boundary would come after as long a download")
     if not consensus.round_well_under_way(view, round_, inner_steps, overlap):
         return Start(phase=phase, reason=f"round {round_ + 1} is not under way yet")
     return Wait(seconds=poll, reason=f"round {round_ + 1} is well under way: waiting for its end")

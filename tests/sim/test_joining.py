@@ -29,6 +29,24 @@ def test_late_joiner_reaches_the_swarm_digest():
         assert_consistent(swarm)
 
 
+def test_a_joiner_that_waited_for_a_boundary_starts_there_though_its_download_took_steps():
+    """Found by benchmarks/chaos.py (restarted peers lost 19 rounds, one for 170 s): a newcomer arriving mid-round
+    waits for its end, downloads theta(r + 1), and then found round r + 1 "well under way" (the others had trained
+    through its download): it waited again, downloaded again, and never trained. Here a round's inner steps take 1 s
+    and the download 0.75 s: the joiner must average in the round after the boundary it waited for (before the fix
+    it loaded 5 states first)."""
+    with SimSwarm(["run.max_rounds=8"], download_seconds=0.75) as swarm:
+        peers = [swarm.add(sets=["swarm.min_peers=3"]) for _ in range(3)]
+        swarm.run_until(lambda: bool(peers[0].of(Event.OUTER_STEP, round=2)))
+        joiner = swarm.add(at=swarm.sim.now + 0.5)  # mid-round: round 3 is well under way when it has theta(2)
+        swarm.finish()
+        loads = [e["round"] for e in joiner.of(Event.STATE_LOADED)]
+        averaged = [e["round"] for e in joiner.of(Event.ALLREDUCE_DONE) if e["group_size"] == 4]
+        assert loads == [2, 3] and averaged == [4, 5, 6, 7, 8], (loads, averaged)
+        one_digest([*peers, joiner])
+        assert_consistent(swarm)
+
+
 def test_restarted_peer_takes_the_swarm_state_when_the_swarm_is_ahead(tmp_path):
     ckpt = tmp_path / "ckpt-b"
     with SimSwarm(["run.max_rounds=20"]) as swarm:

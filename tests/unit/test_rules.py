@@ -128,6 +128,10 @@ JOIN_CASES = [
     ("... bounded by the deadline", 0, {}, {"unverified_ahead": 2, "now": 600.0}, Start, {}),
     ("a peer with a certificate of its own is not held back by records it does not follow", 5, {},
      {"unverified_ahead": 2, "head_members": ("a", "b")}, Start, {}),
+    ("we waited for this boundary and took its state: start, however far the round went on meanwhile", 5,
+     {"a": rec(5, T, inner_step=60), "b": rec(5, S)}, {"waited": True}, Start, {"phase": T}),
+    ("... unless the swarm moved on again: catch up first", 5, {"a": rec(6), "b": rec(6)}, {"waited": True},
+     CatchUp, {}),
 ]
 
 
