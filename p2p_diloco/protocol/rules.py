@@ -72,8 +72,9 @@ def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, wai
     --new-identity``: newcomers trained alone from round 1).
 
     A newcomer that already waited for a round boundary and then took the state of that boundary (``waited``)
-    starts at once, however far the round is: the round went on while it downloaded, and the next boundary would
-    look the same, the download taking as long again. Waiting again made newcomers wait, download and wait once per
+    starts at once, however far the round is, unless a peer of it is already syncing (then it would only arrive
+    after the round's group had formed): the round went on while it downloaded, and the next boundary would look
+    the same, the download taking as long again. Waiting again made newcomers wait, download and wait once per
     round without ever training (found by ``benchmarks/chaos.py``: a restarted peer took 7 states in 140 s; at
     H = 10 and 11 peers a round is "well under way" after one inner step of the fastest peer). Joining late costs
     the others the steps they wait for us, once (the straggler deadline bounds it); waiting again costs all our work.
@@ -95,7 +96,8 @@ def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, wai
         if still and not keeps_enough(head_members, still):
             return Start(phase=phase, reason=f"only {len(still)} of the {len(head_members)} members of round "
                                              f"{round_}'s group are left in it: the hand-off needs us")
-    if waited:
+    syncing = not overlap and any(p.phase == Phase.SYNC for p in consensus.synced(view, round_).values())
+    if waited and not syncing:
         return Start(phase=phase, reason=f"we waited for round {round_}'s boundary and took its state: the next "
                                          f"boundary would come after as long a download")
     if not consensus.round_well_under_way(view, round_, inner_steps, overlap):

@@ -129,7 +129,9 @@ JOIN_CASES = [
     ("a peer with a certificate of its own is not held back by records it does not follow", 5, {},
      {"unverified_ahead": 2, "head_members": ("a", "b")}, Start, {}),
     ("we waited for this boundary and took its state: start, however far the round went on meanwhile", 5,
-     {"a": rec(5, T, inner_step=60), "b": rec(5, S)}, {"waited": True}, Start, {"phase": T}),
+     {"a": rec(5, T, inner_step=60), "b": rec(5, T, inner_step=90)}, {"waited": True}, Start, {"phase": T}),
+    ("... unless a peer of the round is syncing already: we would miss its group", 5,
+     {"a": rec(5, T, inner_step=60), "b": rec(5, S)}, {"waited": True}, Wait, {}),
     ("... unless the swarm moved on again: catch up first", 5, {"a": rec(6), "b": rec(6)}, {"waited": True},
      CatchUp, {}),
 ]
