@@ -89,6 +89,12 @@ def needs_repair(view: View, round_: int, ours: str) -> str | None:
     return best if best != ours else None
 
 
+def round_syncing(view: View, round_: int, overlap: bool = False) -> bool:
+    """True if a synced peer of round ``round_`` is already syncing it: a newcomer starting now would arrive after
+    the round's group formed. With ``overlap`` the peers sync in the background while training on, so never."""
+    return not overlap and any(p.phase == Phase.SYNC for p in synced(view, round_).values())
+
+
 def round_well_under_way(view: View, round_: int, inner_steps: int, overlap: bool = False) -> bool:
     """True if round ``round_`` is too far along for a newcomer to join it.
 
@@ -104,7 +110,7 @@ def round_well_under_way(view: View, round_: int, inner_steps: int, overlap: boo
     at = synced(view, round_)
     if not at:
         return False
-    if not overlap and any(p.phase == Phase.SYNC for p in at.values()):
+    if round_syncing(view, round_, overlap):
         return True
     steps = [p.inner_step or 0 for p in at.values() if overlap or p.phase == Phase.TRAIN]
     return max(steps, default=0) > inner_steps / (len(at) + 1)

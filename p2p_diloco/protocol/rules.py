@@ -96,8 +96,7 @@ def decide_join(round_: int, view: View, *, inner_steps: int, overlap: bool, wai
         if still and not keeps_enough(head_members, still):
             return Start(phase=phase, reason=f"only {len(still)} of the {len(head_members)} members of round "
                                              f"{round_}'s group are left in it: the hand-off needs us")
-    syncing = not overlap and any(p.phase == Phase.SYNC for p in consensus.synced(view, round_).values())
-    if waited and not syncing:
+    if waited and not consensus.round_syncing(view, round_, overlap):
         return Start(phase=phase, reason=f"we waited for round {round_}'s boundary and took its state: the next "
                                          f"boundary would come after as long a download")
     if not consensus.round_well_under_way(view, round_, inner_steps, overlap):
