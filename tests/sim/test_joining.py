@@ -30,7 +30,7 @@ def test_late_joiner_reaches_the_swarm_digest():
 
 
 def test_a_joiner_that_waited_for_a_boundary_starts_there_though_its_download_took_steps():
-    """Found by benchmarks/chaos.py (restarted peers lost 19 rounds, one for 170 s): a newcomer arriving mid-round
+    """Found by benchmarks/chaos.py (a restarted peer took 7 states in 140 s): a newcomer arriving mid-round
     waits for its end, downloads theta(r + 1), and then found round r + 1 "well under way" (the others had trained
     through its download): it waited again, downloaded again, and never trained. Here a round's inner steps take 1 s
     and the download 0.75 s: the joiner must average in the round after the boundary it waited for (before the fix
