@@ -14,9 +14,10 @@ Usage::
 
 ``--outer LR:MOMENTUM`` (Nesterov whenever momentum > 0). ``--codecs NAME ...`` (default none): every worker's
 pseudo-gradient goes through that codec's encoding (``topk``: of pseudo-gradient + its error feedback,
-``--density``, ``--bits``) and the mean once more, as a reducer sends it back; the swarm's reducer keeps its own
-part unencoded, so codec arms agree with the swarm's only roughly. ``--ref`` adds the single-worker and N x batch data
-parallel arms of ``convergence.py``. One line per run: ``sweep h=<H> outer=<lr>:<m> final=<loss> curve=...``.
+``--density``, ``--bits``; ``--transform``: of a transform's coefficients, ``benchmarks/transforms.py``) and the
+mean once more, as a reducer sends it back; the swarm's reducer keeps its own part unencoded, so codec arms agree
+with the swarm's only roughly. ``--ref`` adds the single-worker and N x batch data parallel arms of
+``convergence.py``. One line per run: ``sweep h=<H> outer=<lr>:<m> final=<loss> curve=...``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import time
 import torch
 
 from benchmarks.convergence import DATA_SEED, local_arm
+from benchmarks.transforms import TRANSFORMS, transformed
 from p2p_diloco.outer import optimizer as outer
 from p2p_diloco.outer.codecs import Codec, get_codec
 from p2p_diloco.outer.error_feedback import ErrorFeedback
@@ -200,13 +202,17 @@ def main() -> int:
     ap.add_argument("--bits", type=int, default=2, choices=(2, 4, 8), help="topk's value bits")
     ap.add_argument("--ef-decay", type=float, default=1.0, help="topk: the error feedback's decay (SparseLoCo: 0.95)")
     ap.add_argument("--gather", action="store_true", help="codec arms: the mean is not encoded again (all-gather)")
+    ap.add_argument("--transform", default="", metavar="NAME:SIZE",
+                    help=f"topk arms: top-k of the coefficients of a transform ({', '.join(TRANSFORMS)}; "
+                         "benchmarks/transforms.py), e.g. dct:64, dct2:8")
     ap.add_argument("--streaming", nargs="+", default=[], metavar="F:ALPHA:DELAY",
                     help="also Streaming DiLoCo with F fragments, merge factor alpha, delay in inner steps")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = ap.parse_args()
     cfg = load_config(None, args.sets)
     torch.set_num_threads(2)
-    params = count_parameters(build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), cfg.run.seed))
+    model = build_model(cfg.model, vocab_size(build_tokenizer(cfg.tokenizer)), cfg.run.seed)
+    params, shapes = count_parameters(model), [tuple(p.shape) for p in model.parameters()]
     print(f"{params:,} parameters; T = {args.steps}, N = {args.peers}, batch {cfg.data.batch_size} x "
           f"{cfg.data.seq_len}; data seed {args.data_seed}; sets {args.sets}", flush=True)
     if args.ref:
@@ -219,8 +225,11 @@ def main() -> int:
         for (lr, m), name in [(o, c) for o in args.outer for c in args.codecs]:
             t0 = time.monotonic()
             codec = None if name == "none" else get_codec(name, args.density, args.bits)
+            if args.transform and name == "topk":
+                codec = transformed(codec, args.transform, shapes)
             curve = simulate(cfg, args.peers, args.steps, h, lr, m, args.data_seed, codec, args.ef_decay, args.gather)
-            print(f"sweep h={h} outer={lr}:{m} codec={name} decay={args.ef_decay} gather={args.gather} "
+            print(f"sweep h={h} outer={lr}:{m} codec={codec.name if codec else name} decay={args.ef_decay} "
+                  f"gather={args.gather} "
                   f"final={curve[-1]:.4f} wall={time.monotonic() - t0:.0f}s "
                   f"curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
         for (lr, m), mode in [(o, x) for o in args.outer for x in args.overlap]:
