@@ -127,8 +127,8 @@ def check_modes(cfg: Config) -> None:
 
 
 def check_fragments(cfg: Config) -> None:
-    """``outer.fragments``: a fragment's sync steps its part of the whole theta kept in one process (``rank0``),
-    and topk's error feedback would have to be kept per fragment (not built)."""
+    """``outer.fragments``: a fragment's sync steps its part of the whole theta kept in one process (``rank0``).
+    (With topk, the error feedback is kept per fragment: outer/error_feedback.py.)"""
     o = cfg.outer
     if o.fragments < 1:
         raise ConfigError(f"outer.fragments must be >= 1, got {o.fragments}")
@@ -138,9 +138,6 @@ def check_fragments(cfg: Config) -> None:
         return
     if o.sharding != "rank0":
         raise ConfigError("outer.fragments > 1 needs outer.sharding = rank0 (a fragment is a part of the whole theta)")
-    if o.compression == "topk":
-        raise ConfigError("outer.fragments > 1 does not work with outer.compression = topk yet (its error feedback "
-                          "would have to be kept per fragment): use int8 or int4")
 
 
 def check_codec(cfg: Config) -> None:

@@ -15,11 +15,15 @@ codec re-encodes its own decoded output to the same bits (``TopKCodec``), so the
 Commit contract: :meth:`compensate` computes ``sent`` and the error that would follow, and changes nothing;
 :meth:`accept` (the round committed: ``sent`` went into theta(r + 1)) makes that error ours; a round that ends
 otherwise (caught up, repaired, stopped) leaves the error as it was, and the next round sends it again.
+
+With ``outer.fragments = F > 1`` (Streaming DiLoCo) a round sends one fragment of the model, so the error is kept per
+fragment (:class:`FragmentFeedback`): what fragment p left unsent goes out with fragment p's next round, F rounds
+later, and never into another fragment's positions of the shared flat buffer.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -83,3 +87,59 @@ class ErrorFeedback:
                              f"float32 values")
         self.error.copy_(error)
         self._next = None
+
+
+class FragmentFeedback:
+    """One :class:`ErrorFeedback` per fragment of ``outer.fragments`` (module docstring), with the same interface.
+
+    Args:
+        codec, like, decay: as :class:`ErrorFeedback` (``like``: the one flat buffer every fragment travels in).
+        fragments: F.
+        fragment: the fragment of the round being synced (the state's
+            :meth:`~p2p_diloco.outer.fragment_state.FragmentState.fragment`; its round does not move before the
+            round commits or ends).
+    """
+
+    def __init__(self, codec: Codec, like: Tensors, decay: float, fragments: int, fragment: Callable[[], int]):
+        self.parts = [ErrorFeedback(codec, like, decay) for _ in range(fragments)]
+        self.fragment = fragment
+        self._pending: ErrorFeedback | None = None
+
+    def compensate(self, pseudo_gradient: Tensors) -> list[torch.Tensor]:
+        """:meth:`ErrorFeedback.compensate` with the error of the fragment being synced."""
+        self._pending = self.parts[self.fragment()]
+        return self._pending.compensate(pseudo_gradient)
+
+    def accept(self) -> None:
+        if self._pending is not None:
+            self._pending.accept()
+            self._pending = None
+
+    def reject(self) -> None:
+        if self._pending is not None:
+            self._pending.reject()
+            self._pending = None
+
+    def state(self) -> torch.Tensor:
+        """Every fragment's accumulator, one row each (a copy)."""
+        return torch.stack([part.error for part in self.parts])
+
+    def load(self, error: torch.Tensor | None) -> None:
+        """Continue from a checkpoint's accumulators (None: from zero).
+
+        Raises:
+            ValueError: they do not fit this model and F.
+        """
+        self._pending = None
+        if error is None:
+            for part in self.parts:
+                part.load(None)
+            return
+        rows, size = len(self.parts), self.parts[0].error.numel()
+        if not isinstance(error, torch.Tensor) or error.shape != (rows, size) or error.dtype != torch.float32:
+            got = (f"{tuple(error.shape)} {error.dtype} values" if isinstance(error, torch.Tensor)
+                   else type(error).__name__)
+            raise ValueError(f"the checkpoint's error feedback is {got}, this model's with outer.fragments = {rows} "
+                             f"{(rows, size)} float32 values")
+        for part, row in zip(self.parts, error, strict=True):
+            part.load(row.clone())

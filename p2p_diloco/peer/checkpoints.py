@@ -57,7 +57,8 @@ class Checkpointer:
         training: the local model, inner optimizer and data stream.
         stats: the peer's counters (saved with it).
         cluster: the local ranks, or None (decides the inner optimizer's format).
-        feedback: ``topk``'s :class:`~p2p_diloco.outer.error_feedback.ErrorFeedback`, or None.
+        feedback: ``topk``'s :class:`~p2p_diloco.outer.error_feedback.ErrorFeedback` (or ``FragmentFeedback``), or
+            None.
     """
 
     def __init__(self, ctx: PeerContext, training, stats: PeerStats, cluster=None, feedback=None):

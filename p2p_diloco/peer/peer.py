@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..checkpoint import PeerState
 from ..outer.codecs import codec_for
-from ..outer.error_feedback import ErrorFeedback
+from ..outer.error_feedback import ErrorFeedback, FragmentFeedback
 from ..protocol import rules
 from ..protocol.actions import Leave, Repair, Start
 from ..protocol.records import Phase
@@ -47,6 +47,15 @@ START_POLL = 0.25  # waiting for swarm.min_peers: they all start within a short 
 def data_seed_for(peer_id: str) -> int:
     """Default data order of a peer: derived from its peer id, so every peer reads a different order."""
     return int(hashlib.sha256(peer_id.encode()).hexdigest()[:8], 16)
+
+
+def _error_feedback(ctx: PeerContext) -> ErrorFeedback | FragmentFeedback:
+    """topk's error feedback for this peer's state: one accumulator, or one per fragment (``outer.fragments``)."""
+    o = ctx.cfg.outer
+    codec, like = codec_for(o), ctx.state.tensors_like()
+    if o.fragments > 1:
+        return FragmentFeedback(codec, like, o.topk_error_decay, o.fragments, lambda: ctx.state.fragment())
+    return ErrorFeedback(codec, like, o.topk_error_decay)
 
 
 class Peer:
@@ -73,9 +82,7 @@ class Peer:
         self.inner = InnerLoop(ctx, training, self.stats)
         self.syncer = Syncer(ctx, self.state_sync, self.stats, self.chain)
         # topk's error feedback (outer/error_feedback.py): what this peer has not sent yet, local to it
-        self.feedback = (ErrorFeedback(codec_for(ctx.cfg.outer), ctx.state.tensors_like(),
-                                       ctx.cfg.outer.topk_error_decay)
-                         if ctx.cfg.outer.compression == "topk" else None)
+        self.feedback = _error_feedback(ctx) if ctx.cfg.outer.compression == "topk" else None
         self.checkpoints = Checkpointer(ctx, training, self.stats, cluster, self.feedback)
         self.rounds = Rounds(ctx, training, self.inner, self.syncer, self.checkpoints, self.stats, self.feedback)
         loop = StreamingLoop if ctx.cfg.outer.fragments > 1 else OverlapLoop

@@ -15,7 +15,7 @@ Round numbers are swarm-wide: ``run.max_rounds`` R means "stop once theta(R) exi
 from __future__ import annotations
 
 from ..metrics.events import Event
-from ..outer.error_feedback import ErrorFeedback
+from ..outer.error_feedback import ErrorFeedback, FragmentFeedback
 from ..protocol.records import Phase
 from .checkpoints import Checkpointer
 from .context import PeerContext, PeerStats
@@ -33,11 +33,12 @@ class Rounds:
         syncer: the end-of-round sync.
         checkpoints: round-boundary checkpoints.
         stats: the peer's counters.
-        feedback: ``topk``'s error feedback, or None (every other codec sends the pseudo-gradient itself).
+        feedback: ``topk``'s error feedback (per fragment with ``outer.fragments``), or None (every other codec
+            sends the pseudo-gradient itself).
     """
 
     def __init__(self, ctx: PeerContext, training, inner: InnerLoop, syncer: Syncer, checkpoints: Checkpointer,
-                 stats: PeerStats, feedback: ErrorFeedback | None = None):
+                 stats: PeerStats, feedback: ErrorFeedback | FragmentFeedback | None = None):
         self.ctx, self.training, self.inner, self.syncer = ctx, training, inner, syncer
         self.checkpoints, self.stats, self.feedback = checkpoints, stats, feedback
 

@@ -33,18 +33,19 @@ def test_the_error_feedback_decay_reaches_the_peer(tmp_path):
     assert decayed["global_digest"] != plain["global_digest"]
 
 
-@pytest.mark.parametrize("codec", [(), TOPK, ("outer.fragments=2",)], ids=["none", "topk", "fragments"])
+@pytest.mark.parametrize("codec", [(), TOPK, ("outer.fragments=2",), (*TOPK, "outer.fragments=2")],
+                         ids=["none", "topk", "fragments", "topk-fragments"])
 def test_stop_after_round_2_and_resume_is_bit_identical(tmp_path, codec):
     """With topk, the error feedback (what the peer has not sent yet) is part of what resumes exactly: without it
     round 3 sends other bits and the digests part. With fragments, so are the local weights (they are not theta at
-    a boundary: the fragments not synced in the round keep training)."""
+    a boundary: the fragments not synced in the round keep training), and with both, each fragment's error."""
     straight = _lone(tmp_path, "straight", codec=codec).summary()
     ckpt = tmp_path / "ckpt"
     first = _lone(tmp_path, "first", [f"checkpoint.dir={ckpt}"], codec=codec).summary()
     assert first["stopped_early"] and first["rounds_completed"] == 2
     saved = CheckpointStore(ckpt).load()
     assert saved.round == 2
-    assert ("error_feedback" in saved.extra) == (codec == TOPK)
+    assert ("error_feedback" in saved.extra) == (TOPK[0] in codec)
     resumed = _lone(tmp_path, "resumed", [f"checkpoint.dir={ckpt}", "checkpoint.resume=true"], resume=saved,
                     codec=codec)
     s = resumed.summary()

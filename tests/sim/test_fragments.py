@@ -15,7 +15,7 @@ ROUNDS = 6
 
 
 def _run(sets: list[str]):
-    with SimSwarm([*sets, "outer.compression=int8", f"run.max_rounds={ROUNDS}", "swarm.min_peers=3"],
+    with SimSwarm(["outer.compression=int8", *sets, f"run.max_rounds={ROUNDS}", "swarm.min_peers=3"],
                   transfer_seconds=0.5) as swarm:
         peers = [swarm.add() for _ in range(3)]
         swarm.finish()
@@ -40,3 +40,19 @@ def test_fragment_rounds_are_bit_identical_and_send_one_fragment(overlap):
         assert [e["group_size"] for e in done] == [3] * ROUNDS
         assert all(e["bytes_sent"] < 0.6 * w for e, w in zip(done, sent)), ([e["bytes_sent"] for e in done], sent)
 
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
+def test_topk_fragment_rounds_are_bit_identical(overlap):
+    """topk with fragments keeps one error feedback per fragment (outer/error_feedback.py: FragmentFeedback): every
+    peer still commits every round with the whole group, to one digest, and the error feedback changes the bits."""
+    mode = f"outer.overlap={str(overlap).lower()}"
+    topk = ["outer.fragments=2", "outer.compression='topk'", "outer.aggregation='mean'", "outer.topk_bits=2", mode]
+    peers, digest = _run(topk)
+    _, int8_digest = _run(["outer.fragments=2", mode])
+    assert digest != int8_digest
+    for p in peers:
+        s = p.summary()
+        assert s["rounds_completed"] == s["rounds_participated"] == ROUNDS
+        assert [e["group_size"] for e in p.of(Event.ALLREDUCE_DONE)] == [3] * ROUNDS
+        assert s["eval_loss_last"] < s["eval_loss_first"]

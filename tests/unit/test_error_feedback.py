@@ -1,12 +1,12 @@
 """topk's error feedback (outer/error_feedback.py): nothing a peer leaves out is lost, only delayed; the error
-changes only when the round commits; it survives a checkpoint exactly."""
+changes only when the round commits; it survives a checkpoint exactly; with fragments, each fragment keeps its own."""
 
 import pytest
 import torch
 
 from p2p_diloco.checkpoint import CheckpointStore
 from p2p_diloco.outer.codecs import CHUNK, get_codec
-from p2p_diloco.outer.error_feedback import ErrorFeedback
+from p2p_diloco.outer.error_feedback import ErrorFeedback, FragmentFeedback
 from tests.unit.test_checkpoint import FP, make_state
 
 pytestmark = pytest.mark.unit
@@ -90,3 +90,47 @@ def test_an_error_of_another_model_is_refused():
         feedback.load([1, 2])
     feedback.load(None)  # a checkpoint written before: zero
     assert not feedback.error.any()
+
+
+def test_each_fragment_keeps_its_own_error_and_sends_it_in_its_next_round():
+    # outer.fragments = 3: round r syncs fragment r mod 3 in the one flat buffer; what fragment p left out must come
+    # back with fragment p's next round, never with another fragment's values
+    like = [torch.zeros(2 * CHUNK)]
+    current = [0]
+    feedback = FragmentFeedback(get_codec("topk"), like, 1.0, 3, lambda: current[0])
+    alone = [ErrorFeedback(get_codec("topk"), like) for _ in range(3)]  # what each fragment's error must be
+    for r in range(7):
+        current[0] = r % 3
+        g = torch.Generator().manual_seed(r)
+        pg = [torch.randn(2 * CHUNK, generator=g) * 1e-3]
+        sent = feedback.compensate(pg)
+        expected = alone[r % 3].compensate(pg)
+        assert torch.equal(sent[0], expected[0])
+        if r == 4:  # a round that did not commit changes no error
+            feedback.reject()
+            alone[r % 3].reject()
+            continue
+        feedback.accept()
+        alone[r % 3].accept()
+    assert all(torch.equal(row, part.error) for row, part in zip(feedback.state(), alone))
+    assert len({tuple(row[:3].tolist()) for row in feedback.state()}) == 3  # three different errors
+
+
+def test_fragment_errors_survive_a_checkpoint_and_another_layout_is_refused(tmp_path):
+    like = [torch.zeros(CHUNK + 7)]
+    feedback = FragmentFeedback(get_codec("topk"), like, 0.95, 2, lambda: 1)
+    feedback.compensate([torch.randn(CHUNK + 7, generator=torch.Generator().manual_seed(3))])
+    feedback.accept()
+    state = make_state()
+    state.extra["error_feedback"] = feedback.state()
+    store = CheckpointStore(tmp_path)
+    store.save(state)
+    resumed = FragmentFeedback(get_codec("topk"), like, 0.95, 2, lambda: 1)
+    resumed.load(store.load(fingerprint=FP).extra["error_feedback"])
+    assert torch.equal(resumed.state(), feedback.state()) and resumed.state()[1].any() and not resumed.state()[0].any()
+    with pytest.raises(ValueError, match="outer.fragments = 3"):
+        FragmentFeedback(get_codec("topk"), like, 0.95, 3, lambda: 0).load(feedback.state())
+    with pytest.raises(ValueError, match="error feedback"):
+        resumed.load(torch.zeros(CHUNK + 7))  # a checkpoint of the same model without fragments
+    resumed.load(None)
+    assert not resumed.state().any()

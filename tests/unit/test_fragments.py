@@ -133,7 +133,6 @@ def test_a_restored_state_keeps_the_checkpointed_local_weights():
 @pytest.mark.parametrize("sets, message", [
     (["outer.fragments=0"], "outer.fragments must be >= 1"),
     (["outer.fragments=2", "outer.fragment_alpha=1.0"], r"outer.fragment_alpha must be in \[0, 1\)"),
-    (["outer.fragments=2", "outer.compression='topk'", "outer.aggregation='mean'"], "topk"),
     (["outer.fragments=2", "outer.sharding='sharded'"], "rank0"),
 ])
 def test_settings_that_fragments_refuse(sets, message):
