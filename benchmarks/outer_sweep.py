@@ -136,29 +136,37 @@ def simulate_overlap(cfg: Config, peers: int, steps: int, h: int, lr: float, mom
 
 def simulate_streaming(cfg: Config, peers: int, steps: int, h: int, lr: float, momentum: float,
                        data_seed: int = DATA_SEED, fragments: int = 2, alpha: float = 0.5,
-                       delay: int = 0) -> list[float]:
+                       delay: int = 0, codec: Codec | None = None, decay: float = 1.0) -> list[float]:
     """Streaming DiLoCo (https://arxiv.org/abs/2501.18512) with ``fragments`` = F: every H/F inner steps one
     fragment (:func:`~p2p_diloco.outer.fragments.partition`, in turn) is averaged and outer-stepped, so each
     fragment is synced every H steps; its new theta lands ``delay`` inner steps later (the sync hidden behind them)
-    as ``local = alpha * local + (1 - alpha) * theta``. Returns the eval loss of theta every H steps (and at 0)."""
+    as ``local = alpha * local + (1 - alpha) * theta``. ``codec``: each fragment's pseudo-gradients and their mean
+    go through it as in :func:`simulate` (topk: with one error feedback per worker and fragment, as a peer keeps).
+    Returns the eval loss of theta every H steps (and at 0)."""
     if h % fragments or not 0 <= delay <= h // fragments:
         raise ValueError(f"H = {h} needs a multiple of F = {fragments} and 0 <= delay <= H/F")
     model, evals, theta, opt, workers = _setup(cfg, peers, steps, lr, momentum, data_seed)
     runs, every = partition(theta, fragments), h // fragments
+    feedback = [[ErrorFeedback(codec, [theta[i] for i in run], decay) if codec is not None and codec.align > 1
+                 else None for run in runs] for _ in workers]
     landing: dict[int, list[int]] = {}  # inner step -> fragments whose new theta lands after it
     curve = [evaluate(model, evals, CPU)]
     for t in range(1, steps + 1):
         for _, _, trainer in workers:
             trainer.step(t - 1)
         if t % every == 0:
-            run = runs[(t // every - 1) % fragments]
+            f = (t // every - 1) % fragments
+            run = runs[f]
             mine = [theta[i] for i in run]
             delta = [torch.zeros_like(x) for x in mine]
-            for replica, _, _ in workers:
+            for (replica, _, _), ef in zip(workers, feedback):
                 local = list(replica.parameters())
-                for d, x, i in zip(delta, mine, run):
-                    d.add_(x - local[i].detach())
-            opt.step_on(mine, [opt.momentum_buffers[i] for i in run], [d / peers for d in delta])
+                part = [x - local[i].detach() for x, i in zip(mine, run)]
+                for d, p in zip(delta, part if codec is None else _encoded(codec, ef[f], part)):
+                    d.add_(p)
+            mean = [d / peers for d in delta]
+            mean = mean if codec is None else _encoded(codec, None, mean)
+            opt.step_on(mine, [opt.momentum_buffers[i] for i in run], mean)
             landing.setdefault(t + delay, []).extend(run)
         for i in landing.pop(t, []):
             for replica, _, _ in workers:
@@ -207,6 +215,8 @@ def main() -> int:
                          "benchmarks/transforms.py), e.g. dct:64, dct2:8")
     ap.add_argument("--streaming", nargs="+", default=[], metavar="F:ALPHA:DELAY",
                     help="also Streaming DiLoCo with F fragments, merge factor alpha, delay in inner steps")
+    ap.add_argument("--streaming-codec", default="none", help="the streaming arms' outer.compression (--density, "
+                    "--bits, --ef-decay as for --codecs)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = ap.parse_args()
     cfg = load_config(None, args.sets)
@@ -240,8 +250,11 @@ def main() -> int:
         for (lr, m), spec in [(o, x) for o in args.outer for x in args.streaming]:
             t0 = time.monotonic()
             f, a, d = spec.split(":")
-            curve = simulate_streaming(cfg, args.peers, args.steps, h, lr, m, args.data_seed, int(f), float(a), int(d))
-            print(f"sweep h={h} outer={lr}:{m} streaming={spec} final={curve[-1]:.4f} "
+            codec = None if args.streaming_codec == "none" else get_codec(args.streaming_codec, args.density, args.bits)
+            curve = simulate_streaming(cfg, args.peers, args.steps, h, lr, m, args.data_seed, int(f), float(a), int(d),
+                                       codec, args.ef_decay)
+            print(f"sweep h={h} outer={lr}:{m} streaming={spec} codec={args.streaming_codec} decay={args.ef_decay} "
+                  f"final={curve[-1]:.4f} "
                   f"wall={time.monotonic() - t0:.0f}s curve={' '.join(f'{c:.3f}' for c in curve)}", flush=True)
     return 0
 

@@ -86,6 +86,19 @@ def test_streaming_with_one_fragment_no_delay_and_no_merge_is_blocking_diloco():
         simulate_streaming(cfg, 2, 4, 2, 0.7, 0.9, fragments=2, alpha=0.5, delay=2)
 
 
+def test_streaming_with_one_fragment_and_topk_is_the_blocking_topk_simulation():
+    # the same with a codec: each fragment's error feedback, with F = 1, is the blocking simulator's one
+    from benchmarks.outer_sweep import simulate_streaming
+    from p2p_diloco.outer.codecs import get_codec
+
+    cfg = load_config(None, MICRO)
+    codec = get_codec("topk", 1 / 64, 2)
+    blocking = simulate(cfg, peers=2, steps=6, h=2, lr=4.0, momentum=0.0, codec=codec, decay=0.95)
+    assert simulate_streaming(cfg, 2, 6, 2, 4.0, 0.0, fragments=1, alpha=0.0, delay=0, codec=codec,
+                              decay=0.95) == blocking
+    assert blocking != simulate(cfg, peers=2, steps=6, h=2, lr=4.0, momentum=0.0)
+
+
 def test_overlap_benchmark_arms_and_verdict():
     from benchmarks.overlap import arms_of, verdict
 
