@@ -5,6 +5,7 @@ import asyncio
 import contextvars
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -552,7 +553,13 @@ def test_a_member_killed_mid_transfer_costs_its_slice_not_a_restart(when):
 
 
 def test_a_second_death_fails_every_survivor():
+    """Members 1 and 4 of 5 die together in the middle of their uploads: no survivor can have had an answer from
+    either yet (a reducer answers once every part is in), so each sees both deaths and fails. (The kills wait for
+    both to have sent a byte, and happen at once: killed one after the other after a fixed 50 ms, on a slow day the
+    second member had finished its exchanges before its kill, which nobody then noticed, and the survivors
+    rightly committed.)"""
     n = 5
+    upload = (n - 1) * get_codec("none").payload_bytes(400_000 // n)  # a member's parts, 16 KiB every 4 ms
 
     async def main():
         servers, runners = await _members(n, get_codec("none"), _vectors(n, 400_000), [1.0] * n, os.urandom(20),
@@ -560,14 +567,20 @@ def test_a_second_death_fails_every_survivor():
         for r in runners:
             r.part_delay = 0.004
         runs = [asyncio.ensure_future(r.run(2.0, 10.0)) for r in runners]
-        await asyncio.sleep(0.05)
-        await _kill(runners[1], servers[1], runs[1])
-        await _kill(runners[4], servers[4], runs[4])
+        deadline = time.monotonic() + 10
+        while not (runners[1].bytes_sent and runners[4].bytes_sent) and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        sent = [runners[i].bytes_sent for i in (1, 4)]
+        for i in (1, 4):
+            runs[i].cancel()
+            servers[i].unregister(runners[i])
+        await asyncio.gather(servers[1].close(), servers[4].close())
         results = await asyncio.wait_for(asyncio.gather(*(runs[i] for i in (0, 2, 3)), return_exceptions=True), 30)
         await _close(servers)
-        return results
+        return sent, results
 
-    results = asyncio.run(main())
+    sent, results = asyncio.run(main())
+    assert all(0 < b < upload / 2 for b in sent), (sent, upload)  # killed mid-upload, as the test means
     assert all(isinstance(r, FastPathError) for r in results), results
 
 
