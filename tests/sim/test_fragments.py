@@ -41,11 +41,11 @@ def test_fragment_rounds_are_bit_identical_and_send_one_fragment(overlap):
         assert all(e["bytes_sent"] < 0.6 * w for e, w in zip(done, sent)), ([e["bytes_sent"] for e in done], sent)
 
 
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlapped"])
 def test_topk_fragment_rounds_are_bit_identical(overlap):
     """topk with fragments keeps one error feedback per fragment (outer/error_feedback.py: FragmentFeedback): every
-    peer still commits every round with the whole group, to one digest, and the error feedback changes the bits."""
+    peer still commits every round with the whole group, to one digest, and that digest is not int8's (the codec
+    in use is topk)."""
     mode = f"outer.overlap={str(overlap).lower()}"
     topk = ["outer.fragments=2", "outer.compression='topk'", "outer.aggregation='mean'", "outer.topk_bits=2", mode]
     peers, digest = _run(topk)

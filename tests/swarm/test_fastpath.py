@@ -555,9 +555,9 @@ def test_a_member_killed_mid_transfer_costs_its_slice_not_a_restart(when):
 def test_a_second_death_fails_every_survivor():
     """Members 1 and 4 of 5 die together in the middle of their uploads: no survivor can have had an answer from
     either yet (a reducer answers once every part is in), so each sees both deaths and fails. (The kills wait for
-    both to have sent a byte, and happen at once: killed one after the other after a fixed 50 ms, on a slow day the
-    second member had finished its exchanges before its kill, which nobody then noticed, and the survivors
-    rightly committed.)"""
+    both to have sent a byte, and happen at once. Killed one after the other after a fixed 50 ms, on a slow day all
+    three survivors committed: from member_died's rule, the second member must have finished its exchanges before
+    its kill, which nobody then noticed; inferred, not traced.)"""
     n = 5
     upload = (n - 1) * get_codec("none").payload_bytes(400_000 // n)  # a member's parts, 16 KiB every 4 ms
 
