@@ -18,7 +18,7 @@ from ..errors import ConfigError, SwarmError, UsageError
 from ..metrics import EventLog
 from ..metrics.sinks import FanOut, TensorBoardSink, WandbSink, check_sinks
 from ..runtime.signals import StopSignals
-from .parser import load_join_config, validate_maddr
+from .parser import check_identity_path, load_join_config, validate_maddr
 from .status_view import format_view, swarm_view
 from .util import ENV_INITIAL_PEERS, EXIT_USAGE, STDERR_HANDLER, write_json_atomic
 
@@ -154,6 +154,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     host = [validate_maddr(m, need_peer_id=False) for m in args.host_maddrs]
     announce = [validate_maddr(m, need_peer_id=False) for m in args.announce_maddrs]
     initial = [validate_maddr(m, need_peer_id=True) for m in args.initial_peers]
+    check_identity_path(args.identity_path)
     from ..swarm.bootstrap import BootstrapNode
 
     node = BootstrapNode(host, announce, args.identity_path, args.startup_timeout, initial)
@@ -209,6 +210,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         client.shutdown()
 
 
+def _check_exists(checkpoint: str) -> None:
+    """A missing ``--checkpoint`` is said at once, not after the seconds torch and transformers take to import (the
+    same message as :func:`~p2p_diloco.export.checkpoint_path`, which checks the rest)."""
+    if not Path(checkpoint).expanduser().exists():
+        raise UsageError(f"checkpoint not found: {Path(checkpoint).expanduser()}")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     """``p2p-diloco eval``: eval loss and perplexity of a checkpoint's global weights, on one line (or JSON).
 
@@ -218,6 +226,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     Returns:
         The exit code, 0.
     """
+    _check_exists(args.checkpoint)
     from ..export import evaluate_trained, load_trained
 
     result = evaluate_trained(load_trained(args.checkpoint, args.config, args.sets))
@@ -239,6 +248,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     Returns:
         The exit code, 0.
     """
+    _check_exists(args.checkpoint)
     from ..export import export_trained, load_trained
 
     trained = load_trained(args.checkpoint, args.config, args.sets)

@@ -211,10 +211,27 @@ def load_join_config(args: argparse.Namespace) -> Config:
     apply_overrides(cfg, overrides)
     for name, need_peer_id in MADDR_KEYS:
         setattr(cfg.swarm, name, [validate_maddr(m, need_peer_id=need_peer_id) for m in getattr(cfg.swarm, name)])
+    if cfg.swarm.client_mode and not cfg.swarm.initial_peers:
+        raise UsageError("--client-mode needs --initial-peers: a peer nobody can reach cannot start a swarm")
+    check_identity_path(cfg.swarm.identity_path)
     # Imported here: swarm.allowlist imports hivemind (over a second), which --help and most bad input never need.
     from ..swarm.allowlist import resolve_allowed_peers
 
     resolve_allowed_peers(cfg.swarm.allowed_peers)  # a bad entry is a one-line error now, not after the data is built
-    if cfg.swarm.client_mode and not cfg.swarm.initial_peers:
-        raise UsageError("--client-mode needs --initial-peers: a peer nobody can reach cannot start a swarm")
     return cfg
+
+
+def check_identity_path(path: str | None) -> None:
+    """Refuse an identity file that could not be created, before the seconds of imports and model building that
+    come before the swarm starts (the same message as :class:`~p2p_diloco.swarm.identity.Identity`'s, which still
+    catches what changes in between, and what this cannot see: a read-only file system, say).
+
+    Raises:
+        UsageError: ``path`` does not exist and its directory does not either, or is not a directory.
+    """
+    if not path or os.path.exists(os.path.expanduser(path)):
+        return
+    parent = os.path.dirname(os.path.expanduser(path)) or "."
+    if not os.path.isdir(parent):
+        why = "is not a directory" if os.path.exists(parent) else "does not exist"
+        raise UsageError(f"cannot create identity file {path}: {parent} {why}")
