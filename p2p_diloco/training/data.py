@@ -12,25 +12,29 @@ import hashlib
 import itertools
 import logging
 import os
+import sys
 import sysconfig
 from collections import deque
 from functools import lru_cache
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator, Union
 
-import datasets
 import numpy as np
 import torch
-from datasets import Dataset, IterableDataset
 
 from p2p_diloco.config import ConfigError, DataConfig
 from p2p_diloco.training.hub import check_hub_dataset, explain, offline_mode, short_reason
+from p2p_diloco.training.rows import Rows
 from p2p_diloco.training.sources import builder_for, check_has_text, is_local, resolve_data_files
+
+if TYPE_CHECKING:
+    from datasets import Dataset, IterableDataset
 
 BUILTIN_STDLIB = "builtin:stdlib"
 TOKENIZE_CHUNK = 64  # documents per tokenizer call: big enough to be fast, small enough to start quickly
 HASH_PREFIX = 2048  # characters of a document that decide its split
 
-Documents = Dataset | IterableDataset
+# datasets (and pandas, pyarrow) is imported only for data it loads: the built-in corpus is Rows (rows.py).
+Documents = Union["Dataset", "IterableDataset", Rows]
 
 log = logging.getLogger(__name__)
 
@@ -60,15 +64,22 @@ def _stdlib_sources(max_bytes: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return tuple(paths), tuple(texts)
 
 
-def _builtin_documents(cfg: DataConfig) -> Dataset:
+def _streamed(ds: Documents) -> bool:
+    """Whether ``ds`` is a streaming dataset (only ``datasets`` makes those, so it is imported if ``ds`` is one)."""
+    return "datasets" in sys.modules and isinstance(ds, sys.modules["datasets"].IterableDataset)
+
+
+def _builtin_documents(cfg: DataConfig) -> Rows:
     if cfg.path != BUILTIN_STDLIB:
         raise ConfigError(f"unknown built-in corpus {cfg.path!r} (known: {BUILTIN_STDLIB})")
     paths, texts = _stdlib_sources(cfg.max_bytes)
     # "path" is the split key: stable even if a file's text changes between patch releases.
-    return Dataset.from_dict({"text": list(texts), "path": list(paths)})
+    return Rows({"text": list(texts), "path": list(paths)})
 
 
 def _load(path: str, what: str, hub: bool = False, **kwargs) -> Documents:
+    import datasets
+
     try:
         return datasets.load_dataset(path, **kwargs)
     except Exception as e:  # FileNotFoundError, DatasetNotFoundError, connection errors, bad JSON, ...
@@ -136,7 +147,7 @@ def _split_by_hash(ds: Documents, cfg: DataConfig, want_eval: bool) -> Documents
     def keep(batch: dict) -> list[bool]:
         return [_held_out(k, cfg.eval_fraction) == want_eval for k in batch[key]]
 
-    if isinstance(ds, IterableDataset):  # lazy: applied as documents stream past
+    if _streamed(ds):  # lazy: applied as documents stream past
         return ds.filter(keep, batched=True)
     # Map-style: collect the kept row numbers and select them in memory, which (unlike Dataset.filter)
     # writes no cache file for peers to race on and draws no progress bar.
@@ -155,7 +166,7 @@ def train_documents(cfg: DataConfig) -> Documents:
     """
     ds = load_documents(cfg, cfg.train_split)
     ds = ds if cfg.eval_split or cfg.eval_fraction == 0 else _split_by_hash(ds, cfg, want_eval=False)
-    if isinstance(ds, Dataset) and len(ds) == 0:
+    if not _streamed(ds) and len(ds) == 0:
         raise ConfigError(f"no training documents in {cfg.path} after holding out eval documents "
                           "(lower data.eval_fraction)")
     return ds
@@ -231,7 +242,7 @@ class PackedStream:
 
     def _epoch_texts(self, epoch: int, start: int) -> Iterator[str]:
         """The texts of ``epoch`` in this peer's order, from position ``start`` on."""
-        if isinstance(self._docs, IterableDataset):
+        if _streamed(self._docs):
             ds = self._docs.shuffle(seed=self.seed % 2**32, buffer_size=self.cfg.shuffle_buffer)
             ds.set_epoch(epoch)
             yield from itertools.islice((ex["text"] for ex in ds), start, None)

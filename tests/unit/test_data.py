@@ -96,6 +96,46 @@ def test_builtin_defaults_give_enough_eval_batches(tok):
     assert all(torch.equal(a, b) for a, b in zip(batches, eval_batches(tok, cfg, 8)))
 
 
+def test_builtin_rows_give_the_batches_a_datasets_dataset_gave(tok, monkeypatch):
+    """The built-in corpus is held as Rows (no datasets import): the train stream, its resume and the eval batches
+    are what the same columns as a ``datasets.Dataset`` give, so data orders, and digests, did not change."""
+    cfg = DataConfig(batch_size=4, seq_len=64)
+
+    def batches() -> list[torch.Tensor]:
+        stream = PackedStream(tok, cfg, seed=3)
+        train = [stream.next_batch() for _ in range(10)]
+        state = stream.state_dict()
+        train += [stream.next_batch() for _ in range(20)]
+        resumed = PackedStream(tok, cfg, seed=3)
+        resumed.load_state_dict(state)
+        assert torch.equal(resumed.next_batch(), train[10])
+        return train + [resumed.next_batch()] + eval_batches(tok, cfg, 3)
+
+    ours = batches()
+    as_rows = data_module._builtin_documents
+    monkeypatch.setattr(data_module, "_builtin_documents",
+                        lambda c: datasets.Dataset.from_dict(dict(as_rows(c)[list(range(len(as_rows(c))))])))
+    theirs = batches()
+    assert len(ours) == len(theirs) == 34 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    held = eval_documents(cfg)
+    assert isinstance(held, datasets.Dataset)  # the comparison above really went through datasets
+    monkeypatch.undo()
+    assert _texts(eval_documents(cfg), "path") == _texts(held, "path")
+
+
+def test_a_peer_on_the_builtin_corpus_never_imports_datasets():
+    code = ("import sys\n"
+            "from p2p_diloco.config import DataConfig, TokenizerConfig\n"
+            "from p2p_diloco.training.data import PackedStream, eval_batches\n"
+            "from p2p_diloco.training.tokenizer import build_tokenizer\n"
+            "tok = build_tokenizer(TokenizerConfig('byte'))\n"
+            "PackedStream(tok, DataConfig(), seed=0).next_batch(), eval_batches(tok, DataConfig(), 2)\n"
+            "print(sorted(m for m in ('datasets', 'pandas', 'pyarrow') if m in sys.modules))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
 def test_builtin_stream_starts_fast_and_differs_by_seed(tok):
     start = time.perf_counter()
     stream = PackedStream(tok, DataConfig(), seed=0)
