@@ -9,6 +9,10 @@ the first hub name is loaded we ask the hub once, with a short timeout, and reme
   (``local_files_only``), a cached dataset loads when ``HF_HUB_OFFLINE=1``; anything else is one
   :class:`ConfigError` that says what to do.
 
+huggingface_hub 2.x also asks the hub, once per process and with a 3 s timeout, for its list of agent harnesses
+(for the User-Agent header), even with ``local_files_only``: one more refused dial, or at most 3 s more where
+packets are dropped (``tests/unit/test_hub.py`` counts the dials).
+
 Nothing here imports transformers or datasets: the callers pass the loading function.
 """
 
