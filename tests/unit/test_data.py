@@ -123,6 +123,22 @@ def test_builtin_rows_give_the_batches_a_datasets_dataset_gave(tok, monkeypatch)
     assert _texts(eval_documents(cfg), "path") == _texts(held, "path")
 
 
+def test_rows_answer_as_a_dataset_of_the_same_columns():
+    from p2p_diloco.training.rows import Rows
+
+    columns = {"text": [f"t{i}" for i in range(7)], "path": [f"p{i}" for i in range(7)]}
+    rows, ds = Rows(columns), datasets.Dataset.from_dict(columns)
+    assert rows.column_names == ds.column_names and len(rows) == len(ds) == 7
+    assert rows[3] == ds[3] and rows[[5, 0, 2]] == ds[[5, 0, 2]]
+    assert list(rows.select_columns(["path"]).iter(batch_size=3)) == list(ds.select_columns(["path"]).iter(3))
+    assert rows.select([6, 1])[[0, 1]] == ds.select([6, 1])[[0, 1]]
+    assert list(rows.to_iterable_dataset()) == list(ds.to_iterable_dataset())  # data.streaming = "true"
+    with pytest.raises(ValueError, match="different lengths"):
+        Rows({"text": ["a"], "path": []})
+    with pytest.raises(ValueError, match="no column"):
+        rows.select_columns(["nope"])
+
+
 def test_a_peer_on_the_builtin_corpus_never_imports_datasets():
     code = ("import sys\n"
             "from p2p_diloco.config import DataConfig, TokenizerConfig\n"
