@@ -249,6 +249,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         The exit code, 0.
     """
     _check_exists(args.checkpoint)
+    out = Path(args.out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # said at once; export_trained checks it again
+        raise UsageError(f"{out} already exists and is not an empty directory")
     from ..export import export_trained, load_trained
 
     trained = load_trained(args.checkpoint, args.config, args.sets)

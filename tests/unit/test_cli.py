@@ -1,5 +1,6 @@
 """CLI input handling: every bad input is one line on stderr and exit code 2, fast (no network needed)."""
 
+import os
 import subprocess
 import sys
 
@@ -53,6 +54,8 @@ def run_cli(*args, env=None):
     (["export", "--checkpoint", "/nonexistent"], "the following arguments are required: --out"),
     (["eval", "--checkpoint", "/nonexistent/ckpt"], "checkpoint not found"),
     (["export", "--checkpoint", "/nonexistent/ckpt", "--out", "/tmp/x"], "checkpoint not found"),
+    (["export", "--checkpoint", sys.executable, "--out", os.path.dirname(sys.executable)],
+     f"{os.path.dirname(sys.executable)} already exists and is not an empty directory"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
     r = run_cli(*args)
