@@ -33,6 +33,7 @@ class Event(StrEnum):
     STATE_DOWNLOAD_START = "state_download_start"
     STATE_DOWNLOAD_FAILED = "state_download_failed"
     STATE_LOADED = "state_loaded"
+    CANNOT_KEEP_UP = "cannot_keep_up"
     DESYNC_DETECTED = "desync_detected"
     CHECKPOINT_SAVED = "checkpoint_saved"
     RESUMED = "resumed"
@@ -82,6 +83,9 @@ CATALOGUE: dict[Event, Spec] = {
     Event.STATE_DOWNLOAD_FAILED: Spec("that donor's state did not arrive or did not check out",
                                       ("from_peer", "reason")),
     Event.STATE_LOADED: Spec("θ(round) and its momentum taken from a donor", ("from_peer", "digest")),
+    Event.CANNOT_KEEP_UP: Spec("`states` taken from donors in a row (every 3rd) and none of our rounds averaged in "
+                               "between: the swarm's rounds end before we can take part (`download_s`: the last "
+                               "download's seconds; a warning says what to do)", ("states", "download_s")),
     Event.DESYNC_DETECTED: Spec("our θ is not the majority's: repairing", ("ours", "majority")),
     Event.CHECKPOINT_SAVED: Spec("a round-boundary checkpoint is on disk", ("path", "digest")),
     Event.RESUMED: Spec("continued from a checkpoint", ("digest", "path")),

@@ -78,7 +78,7 @@ class Peer:
         self.stats = PeerStats()
         self.chain = Chain(ctx)
         ctx.verify = self.chain.verified
-        self.state_sync = StateSync(ctx, self.chain)
+        self.state_sync = StateSync(ctx, self.chain, self.stats)
         self.inner = InnerLoop(ctx, training, self.stats)
         self.syncer = Syncer(ctx, self.state_sync, self.stats, self.chain)
         # topk's error feedback (outer/error_feedback.py): what this peer has not sent yet, local to it

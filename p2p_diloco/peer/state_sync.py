@@ -18,17 +18,26 @@ from ..protocol import rules
 from ..protocol.actions import CatchUp, Download, Repair, Start, Stay, Wait
 from ..protocol.records import Phase
 from .chain import Chain
-from .context import PeerContext
+from .context import PeerContext, PeerStats
 
 log = logging.getLogger("p2p_diloco.peer")
 CATCH_UP_TRIES = 3  # reads of the records, each followed by a download from every donor of the majority
+KEEP_UP_LOADS = 3  # states taken in a row with no round of ours averaged in between: we are not keeping up
 
 
 class StateSync:
-    """Catch-up, repair and the join of a newcomer (module docstring)."""
+    """Catch-up, repair and the join of a newcomer (module docstring).
 
-    def __init__(self, ctx: PeerContext, chain: Chain):
-        self.ctx, self.chain = ctx, chain
+    Args:
+        ctx: the peer's shared context.
+        chain: the certificates we follow.
+        stats: the peer's counters (``rounds_participated`` tells whether a round of ours was averaged since the
+            last state we took).
+    """
+
+    def __init__(self, ctx: PeerContext, chain: Chain, stats: PeerStats):
+        self.ctx, self.chain, self.stats = ctx, chain, stats
+        self._loads_in_a_row, self._participated_at_load = 0, -1
 
     def join(self, finished: Callable[[], bool]) -> Phase:
         """Take the swarm's state, then wait for a round boundary to start at (:func:`rules.decide_join`).
@@ -122,6 +131,7 @@ class StateSync:
         ctx = self.ctx
         head = ctx.state.certificate
         for donor in plan.donors:
+            started = ctx.clock.monotonic()
             ctx.emit(Event.STATE_DOWNLOAD_START, plan.target, from_peer=donor)
             problem = ctx.state.fetch(ctx.swarm, donor, plan, ctx.view, ctx.cfg.fingerprint(), self.chain.trust)
             if problem:
@@ -132,5 +142,24 @@ class StateSync:
             # The model gets theta at the next boundary: with outer.overlap this runs in the background while the
             # model is training.
             ctx.emit(Event.STATE_LOADED, ctx.state.round, from_peer=donor, digest=ctx.state.digest)
+            self._check_keeping_up(ctx.clock.monotonic() - started)
             return True
         return False
+
+    def _check_keeping_up(self, seconds: float) -> None:
+        """Say so (a warning and ``cannot_keep_up``, every :data:`KEEP_UP_LOADS` states) when we keep taking the
+        swarm's state and none of our rounds gets averaged in between: a state download that takes longer than the
+        swarm's rounds (the swarm is a round further each time it ends), or inner steps too slow for the others'
+        round deadlines. Either way this peer spends its compute and the donors' bandwidth and adds nothing; it
+        keeps trying (the swarm's rounds may get longer), but its user should know why it does not train."""
+        if self.stats.rounds_participated != self._participated_at_load:
+            self._loads_in_a_row, self._participated_at_load = 0, self.stats.rounds_participated
+        self._loads_in_a_row += 1
+        if self._loads_in_a_row % KEEP_UP_LOADS:
+            return
+        log.warning("cannot keep up with the swarm: %d states taken in a row (%.1f s for the last download), none "
+                    "followed by a round of ours in the average: the swarm's rounds end before we can take part (a "
+                    "state download slower than a round, or inner steps slower than the others': see "
+                    "round.mode = \"swarm_target\")", self._loads_in_a_row, seconds)
+        self.ctx.emit(Event.CANNOT_KEEP_UP, self.ctx.state.round, states=self._loads_in_a_row,
+                      download_s=round(seconds, 3))

@@ -43,7 +43,27 @@ def test_a_joiner_that_waited_for_a_boundary_starts_there_though_its_download_to
         loads = [e["round"] for e in joiner.of(Event.STATE_LOADED)]
         averaged = [e["round"] for e in joiner.of(Event.ALLREDUCE_DONE) if e["group_size"] == 4]
         assert loads == [2, 3] and averaged == [4, 5, 6, 7, 8], (loads, averaged)
+        assert not joiner.of(Event.CANNOT_KEEP_UP)
         one_digest([*peers, joiner])
+        assert_consistent(swarm)
+
+
+def test_a_joiner_whose_download_outlasts_a_round_says_it_cannot_keep_up():
+    """The known limit (docs/protocol.md): rounds of 1 s and a 1.5 s download. Each state the joiner takes is a
+    round old by the time it has it, so it takes the next one, and never trains. It cannot fix that, but it says
+    so, every third state in a row taken with no round of its own averaged in between; the swarm is untouched."""
+    with SimSwarm(["run.max_rounds=10"], download_seconds=1.5) as swarm:
+        peers = [swarm.add(sets=["swarm.min_peers=3"]) for _ in range(3)]
+        swarm.run_until(lambda: bool(peers[0].of(Event.OUTER_STEP, round=2)))
+        joiner = swarm.add(at=swarm.sim.now + 0.5)
+        swarm.finish()
+        loads = joiner.of(Event.STATE_LOADED)
+        assert len(loads) >= 6 and not joiner.of(Event.ALLREDUCE_DONE), loads
+        warned = joiner.of(Event.CANNOT_KEEP_UP)
+        assert [e["states"] for e in warned] == [3 * (i + 1) for i in range(len(loads) // 3)], warned
+        assert all(e["download_s"] >= 1.5 for e in warned), warned
+        assert [e["round"] for e in warned] == [loads[e["states"] - 1]["round"] for e in warned]
+        one_digest(peers)
         assert_consistent(swarm)
 
 
