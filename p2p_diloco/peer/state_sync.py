@@ -158,8 +158,9 @@ class StateSync:
         if self._loads_in_a_row % KEEP_UP_LOADS:
             return
         log.warning("cannot keep up with the swarm: %d states taken in a row (%.1f s for the last download), none "
-                    "followed by a round of ours in the average: the swarm's rounds end before we can take part (a "
-                    "state download slower than a round, or inner steps slower than the others': see "
-                    "round.mode = \"swarm_target\")", self._loads_in_a_row, seconds)
+                    "followed by a round of ours in the average: the swarm's rounds end before we can take part. "
+                    "A download slower than a round needs a faster link or longer rounds (train.inner_steps); inner "
+                    "steps slower than the others' need round.mode = \"swarm_target\"", self._loads_in_a_row,
+                    seconds)
         self.ctx.emit(Event.CANNOT_KEEP_UP, self.ctx.state.round, states=self._loads_in_a_row,
                       download_s=round(seconds, 3))
