@@ -19,6 +19,7 @@ from typing import Iterable
 
 import torch
 
+from .artifacts import given_checkpoint, new_output_dir
 from .checkpoint import CheckpointStore, PeerState, ShardFiles
 from .config import Config, ConfigError, apply_overrides, load_config
 from .errors import UsageError
@@ -37,14 +38,12 @@ class Trained:
 
 def checkpoint_path(path: str | Path) -> Path:
     """A checkpoint file, or the newest checkpoint of a ``--checkpoint-dir``."""
-    p = Path(path).expanduser()
+    p = given_checkpoint(path)
     if p.is_dir():
         newest = CheckpointStore(p).latest()
         if newest is None:
             raise UsageError(f"no checkpoint in {p}")
         return newest
-    if not p.is_file():
-        raise UsageError(f"checkpoint not found: {p}")
     return p
 
 
@@ -138,9 +137,7 @@ def export_trained(trained: Trained, out: str | Path) -> Path:
     The files are written to a temporary sibling directory that is renamed to ``out`` at the end: an
     interrupted export leaves no half-written model behind.
     """
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UsageError(f"{out} already exists and is not an empty directory")
+    out = new_output_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tok, model = trained.tokenizer, trained.model
     for name in ("eos_token_id", "bos_token_id", "pad_token_id"):  # so that generate() stops and pads sensibly

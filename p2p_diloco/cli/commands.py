@@ -13,6 +13,7 @@ import os
 import threading
 from pathlib import Path
 
+from ..artifacts import given_checkpoint, new_output_dir
 from ..config import Config
 from ..errors import ConfigError, SwarmError, UsageError
 from ..metrics import EventLog
@@ -210,13 +211,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         client.shutdown()
 
 
-def _check_exists(checkpoint: str) -> None:
-    """A missing ``--checkpoint`` is said at once, not after the seconds torch and transformers take to import (the
-    same message as :func:`~p2p_diloco.export.checkpoint_path`, which checks the rest)."""
-    if not Path(checkpoint).expanduser().exists():
-        raise UsageError(f"checkpoint not found: {Path(checkpoint).expanduser()}")
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     """``p2p-diloco eval``: eval loss and perplexity of a checkpoint's global weights, on one line (or JSON).
 
@@ -226,7 +220,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     Returns:
         The exit code, 0.
     """
-    _check_exists(args.checkpoint)
+    given_checkpoint(args.checkpoint)  # said at once, not after the imports (load_trained checks it again)
     from ..export import evaluate_trained, load_trained
 
     result = evaluate_trained(load_trained(args.checkpoint, args.config, args.sets))
@@ -248,10 +242,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     Returns:
         The exit code, 0.
     """
-    _check_exists(args.checkpoint)
-    out = Path(args.out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):  # said at once; export_trained checks it again
-        raise UsageError(f"{out} already exists and is not an empty directory")
+    given_checkpoint(args.checkpoint)  # both said at once, not after the imports (export.py checks them again)
+    new_output_dir(args.out)
     from ..export import export_trained, load_trained
 
     trained = load_trained(args.checkpoint, args.config, args.sets)
