@@ -134,12 +134,15 @@ class Averagers:
             raise SwarmError("swarm.transport = 'tcp' needs a reachable address: give --announce-maddrs")
         return sock, f"{host}:{sock.getsockname()[1]}"
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float) -> None:
+        """Stop every averager process within ``timeout`` seconds in all (hivemind then terminates what is left)."""
+        deadline = time.monotonic() + timeout
         for source in self.sources:
             source.close()
         for averager in self.list:
             try:
                 if averager.is_alive():
+                    averager.shutdown_timeout = max(0.1, deadline - time.monotonic())
                     averager.shutdown()
             except Exception as e:
                 log.debug("averager shutdown failed: %r", e)

@@ -52,6 +52,8 @@ from ..runtime.processes import descendants, keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
 DHT_CALL_TIMEOUT = 15.0
+# Seconds each step of a shutdown may take (Swarm.shutdown): together the most a stop waits for our processes.
+SHUTDOWN_STEPS = {"heartbeat": 1.0, "leave": 2.0, "averagers": 3.0, "dht": 2.0, "reap": 2.0}
 INTRODUCE_TIMEOUT = 1.0  # seconds matchmaking waits for our p2pd to connect to round-mates it is not connected to
 
 
@@ -188,50 +190,64 @@ class Swarm:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     def shutdown(self) -> None:
-        """Leave the DHT and stop every process of ours (averager, DHT, p2pd), whatever state they are in."""
+        """Leave the DHT and stop every process of ours (averager, DHT, p2pd), whatever state they are in, in at most
+        about ``sum(SHUTDOWN_STEPS.values())`` seconds: a frozen or starved DHT or averager process must not hold up
+        a stop (with each step waiting its own timeout, a peer whose two processes were frozen took 43.5 s from
+        SIGTERM to exit)."""
         self._stop.set()
         if self._prober is not None:
             self._prober.close()
-        if self._heartbeat is not None:
-            self._heartbeat.join(timeout=self.sc.heartbeat_period + 5)
+        if self._heartbeat is not None:  # a daemon thread: a DHT call it has in flight need not end first
+            self._heartbeat.join(timeout=SHUTDOWN_STEPS["heartbeat"])
         try:
             if (self.dht is not None and self.dht.is_alive() and self.averagers is not None
                     and self.rank_of is None):
-                self.publish(phase=Phase.LEFT, ttl=self.sc.heartbeat_period)
+                self.publish(phase=Phase.LEFT, ttl=self.sc.heartbeat_period, timeout=SHUTDOWN_STEPS["leave"])
         except Exception as e:  # leaving is best effort; the record also expires by itself
             log.debug("could not publish leave record: %r", e)
         if self.averagers is not None:  # first: they use the DHT
-            self.averagers.shutdown()
+            self.averagers.shutdown(SHUTDOWN_STEPS["averagers"])
         try:
             if self.dht is not None and self.dht.is_alive():
+                self.dht.shutdown_timeout = SHUTDOWN_STEPS["dht"]  # then hivemind terminates it
                 self.dht.shutdown()
         except Exception as e:
             log.debug("DHT shutdown failed: %r", e)
-        reap_children(timeout=5.0, only=self._owned)
+        reap_children(timeout=SHUTDOWN_STEPS["reap"], only=self._owned)
 
     # ------------------------------------------------------------------------------------------------- records
-    def _dht_call(self, method: str, *args, **kwargs):
-        """One DHT get/store, serialised and bounded (a DHT whose process died would block forever)."""
-        with self._dht_lock:
-            future = getattr(self.dht, method)(*args, return_future=True, **kwargs)
-            return future.result(timeout=DHT_CALL_TIMEOUT)
+    def _dht_call(self, method: str, *args, timeout: float | None = None, **kwargs):
+        """One DHT get/store, serialised and bounded (a DHT whose process died would block forever). With
+        ``timeout`` (the leave record), the wait for another caller's turn is bounded too: a heartbeat stuck in a
+        call to a frozen DHT holds the lock for ``DHT_CALL_TIMEOUT``."""
+        if timeout is None:
+            with self._dht_lock:  # a with block: a stop signal raised right after the acquire cannot leak the lock
+                return getattr(self.dht, method)(*args, return_future=True, **kwargs).result(DHT_CALL_TIMEOUT)
+        if not self._dht_lock.acquire(timeout=timeout):
+            raise TimeoutError(f"DHT {method}: another call still holds the DHT after {timeout:.1f}s")
+        try:
+            return getattr(self.dht, method)(*args, return_future=True, **kwargs).result(timeout)
+        finally:
+            self._dht_lock.release()
 
     def update(self, **fields: Any) -> None:
         """Change fields of our live record; they go out with the next heartbeat."""
         with self._record_lock:
             self._record.update(wire_fields(fields))
 
-    def publish(self, ttl: float | None = None, **fields: Any) -> None:
+    def publish(self, ttl: float | None = None, timeout: float | None = None, **fields: Any) -> None:
         """Change fields of our live record and store it now (round boundaries must be visible at once).
 
         A DHT node keeps, per owner, the version that expires *last*: a shorter ``ttl`` (the ``left`` record) is
-        stored as expiring just after the previous version, or it would be dropped and we would look alive."""
+        stored as expiring just after the previous version, or it would be dropped and we would look alive.
+        ``timeout``: seconds for the store, the wait for the DHT's lock included (``DHT_CALL_TIMEOUT`` if None)."""
         with self._record_lock:
             self._record.update(wire_fields(fields))
             record = normalize_record(dict(self._record, t=time.time()))  # SwarmError: a bug of ours
             expiration = max(get_dht_time() + (ttl or self.sc.peer_ttl), self._expiration + 1e-3)
             self._expiration = expiration
-        self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.identity.subkey())
+        self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.identity.subkey(),
+                       timeout=timeout)
 
     def _publish_config(self) -> None:
         expiration = get_dht_time() + LIFETIMES["config"] * self.sc.peer_ttl

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -54,7 +55,19 @@ class Proc(PeerProcess):
         try:
             return super().wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"process still running after {timeout}s; stderr:\n{self.stderr_tail()}") from None
+            raise AssertionError(f"process still running after {timeout}s; stderr:\n{self.stderr_tail()}\n"
+                                 f"where its threads are:\n{python_stacks(self.pid)}") from None
+
+
+def python_stacks(pid: int) -> str:
+    """Every thread's Python stack in a running process (``py-spy dump``): what a test that found a process stuck
+    reports, so that a rare hang can be told from a slow exit."""
+    try:
+        out = subprocess.run([str(Path(sys.executable).parent / "py-spy"), "dump", "--pid", str(pid)],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout or out.stderr
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(py-spy could not tell: {e!r})"
 
 
 def wait_for_event(path: Path, predicate, timeout: float, proc: Proc | None = None) -> dict:
