@@ -30,6 +30,7 @@ from pydantic.v1 import StrictBool, StrictBytes, StrictFloat, StrictInt, StrictS
 
 from ..errors import SwarmError
 from ..protocol.records import Phase, PeerRecord
+from .identity import Identity, OwnedRecordsValidator
 from .port import BLOB_LIFETIMES, BLOB_MAX_BYTES
 
 Count = pydantic.conint(strict=True, ge=0)
@@ -236,3 +237,11 @@ class RecordLimitsValidator(RecordValidatorBase):
             return False
         self._limits.update(other._limits)
         return True
+
+
+def record_validators(identity: Identity, run_id: str, peer_ttl: float) -> list:
+    """The DHT validators of a peer of ``run_id``: its signature (identity.py), owned subkeys, the schemas and the
+    expiration/size limits of every key of the run (schema.py). Every DHT node of the run enforces them on store."""
+    keys = [f"{run_id}.{name}" for name in RUN_KEYS]
+    return [identity.validator, OwnedRecordsValidator(keys), RunRecordsValidator(run_id),
+            RecordLimitsValidator(run_id, peer_ttl)]

@@ -322,3 +322,16 @@ def start_failure(e: BaseException, initial_peers: Sequence[str], what: str, wai
                 f"there, that the address and port are right and reachable from this machine (firewall, NAT), and "
                 f"that the /p2p/ id is the one that peer printed")
     return f"{what}: {reason}"
+
+
+def dht_rpc_timeout(peer_ttl: float) -> float:
+    """How long our DHT node waits for one kademlia RPC (hivemind's ``wait_timeout``, 3 s by default).
+
+    A frozen or unreachable DHT node stalls every store and read that routes through it until the RPC times out,
+    and a store waits twice (the search for the nearest nodes, then the store itself: measured 2 x wait_timeout), after
+    which hivemind blacklists the node for a while. With hivemind's 3 s that stall is 6 s = ``swarm.peer_ttl``: every
+    live record of the run expired at once during it (measured with 4 DHT nodes, one SIGSTOPped: both readers saw
+    no record at all for a second, so survivors lost each other and a round). A quarter of the record lifetime keeps
+    the stall (2 RPCs) plus one heartbeat well inside it; capped at hivemind's own 3 s for long lifetimes.
+    """
+    return min(3.0, peer_ttl / 4)

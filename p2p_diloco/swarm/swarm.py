@@ -42,12 +42,11 @@ from .allowlist import resolve_allowed_peers
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from .averagers import Averagers
 from .state_push import Pusher
-from .starting import fix_command_pipe, start_dht, start_failure
+from .starting import dht_rpc_timeout, fix_command_pipe, start_dht, start_failure
 from .port import BLOB_LIFETIMES, BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
 from .probe import MAX_ADDRS, Prober
-from .identity import Identity, OwnedRecordsValidator, RSAKeyBook, records_by_owner
-from .schema import (LIFETIMES, RUN_KEYS, RecordLimitsValidator, RunRecordsValidator, check_config_record,
-                     normalize_record)
+from .identity import Identity, RSAKeyBook, records_by_owner
+from .schema import LIFETIMES, check_config_record, normalize_record, record_validators
 from ..runtime.processes import descendants, keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
@@ -55,27 +54,6 @@ DHT_CALL_TIMEOUT = 15.0
 # Seconds each step of a shutdown may take (Swarm.shutdown): together the most a stop waits for our processes.
 SHUTDOWN_STEPS = {"heartbeat": 1.0, "leave": 2.0, "averagers": 3.0, "dht": 2.0, "reap": 2.0}
 INTRODUCE_TIMEOUT = 1.0  # seconds matchmaking waits for our p2pd to connect to round-mates it is not connected to
-
-
-def dht_rpc_timeout(peer_ttl: float) -> float:
-    """How long our DHT node waits for one kademlia RPC (hivemind's ``wait_timeout``, 3 s by default).
-
-    A frozen or unreachable DHT node stalls every store and read that routes through it until the RPC times out,
-    and a store waits twice (the search for the nearest nodes, then the store itself: measured 2 x wait_timeout), after
-    which hivemind blacklists the node for a while. With hivemind's 3 s that stall is 6 s = ``swarm.peer_ttl``: every
-    live record of the run expired at once during it (measured with 4 DHT nodes, one SIGSTOPped: both readers saw
-    no record at all for a second, so survivors lost each other and a round). A quarter of the record lifetime keeps
-    the stall (2 RPCs) plus one heartbeat well inside it; capped at hivemind's own 3 s for long lifetimes.
-    """
-    return min(3.0, peer_ttl / 4)
-
-
-def record_validators(identity: Identity, run_id: str, peer_ttl: float) -> list:
-    """The DHT validators of a peer of ``run_id``: its signature (identity.py), owned subkeys, the schemas and the
-    expiration/size limits of every key of the run (schema.py). Every DHT node of the run enforces them on store."""
-    keys = [f"{run_id}.{name}" for name in RUN_KEYS]
-    return [identity.validator, OwnedRecordsValidator(keys), RunRecordsValidator(run_id),
-            RecordLimitsValidator(run_id, peer_ttl)]
 
 
 class Swarm:

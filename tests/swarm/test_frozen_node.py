@@ -3,7 +3,7 @@ processes), and the others must see each other at every read while it stays froz
 
 hivemind waits ``wait_timeout`` for each kademlia RPC, and a store routed through a frozen node waits twice before
 the node is blacklisted; with hivemind's 3 s that is 6 s = the record lifetime, so every live record expired at once
-(both survivors read an empty view for about a second). swarm.py's ``dht_rpc_timeout`` keeps the stall well inside
+(both survivors read an empty view for about a second). starting.py's ``dht_rpc_timeout`` keeps the stall well inside
 the lifetime."""
 
 import signal
