@@ -12,20 +12,22 @@ import psutil
 import pytest
 
 from p2p_diloco.runtime.processes import kill_group
+from tests import zygote
 
 TAG_VAR = "P2P_DILOCO_TEST_TAG"
 
 
 def tagged_processes(tag: str) -> list[psutil.Process]:
-    """Every live (non-zombie) process whose environment carries ``tag``."""
-    found = []
+    """Every live (non-zombie) process whose environment carries ``tag``, or that runs in the session of a peer the
+    test's zygote forked for ``tag`` (its environment is the zygote's, as /proc shows it: tests/zygote.py)."""
+    found, sessions = [], zygote.SESSIONS.get(tag, set())
     for proc in psutil.process_iter(["pid"]):
         try:
             if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if proc.environ().get(TAG_VAR) == tag:
+            if proc.environ().get(TAG_VAR) == tag or (sessions and os.getsid(proc.pid) in sessions):
                 found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, ProcessLookupError):
             continue
     return found
 
@@ -80,6 +82,13 @@ def pytest_runtest_setup(item):
             and not item.get_closest_marker("light") and not item.nodeid.endswith("@peer-processes")):
         pytest.fail("pytest-xdist did not put this slow test in the peer-processes group (check the pinned pytest "
                     "and pytest-xdist in constraints.txt)", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def peer_zygote():
+    """Ends the zygote this test process started for its peers, if any (tests/zygote.py)."""
+    yield
+    zygote.stop()
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from p2p_diloco.metrics import read_events
 from p2p_diloco.metrics.events import Event
 from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
 from p2p_diloco.swarm.planned import plan_peer
+from tests import zygote
 
 TAG_VAR = "P2P_DILOCO_TEST_TAG"
 # The default tiny model and H (~6 s per round on 2 cores) with a smaller corpus and shorter matchmaking waits.
@@ -30,15 +32,41 @@ class Proc(PeerProcess):
         prefix: e.g. ``ip netns exec NS`` (it execs the command, so the pid and process group stay ours).
         python_args: e.g. ``-m torch.distributed.run --nproc-per-node 2`` (a cluster peer; see torchrun_args).
         module: tests.swarm.faulty_peer for a peer with fault hooks (its own arguments come first).
+        fork: forked from the test process's zygote when it can be (tests/zygote.py: the imports done); False starts
+            the process itself, for a test of what happens while it imports.
     """
 
     def __init__(self, args: list[str], tag: str, cwd: Path | None = None, prefix: list[str] | None = None,
-                 python_args: list[str] | None = None, module: str = "p2p_diloco"):
+                 python_args: list[str] | None = None, module: str = "p2p_diloco", fork: bool = True):
         if "join" in args[:3] and "--host-maddrs" not in args:  # a peer listens on every interface by default
             at = args.index("join") + 1
             args = [*args[:at], "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args[at:]]
+        self._fork = (module, list(args), tag) if fork and not prefix and not python_args else None
         super().__init__(args, module=module, python_args=python_args or (), prefix=prefix or (), cwd=cwd,
                          env={TAG_VAR: tag, "P2P_DILOCO_INITIAL_PEERS": None})
+
+    def _start(self, extra_env, cwd, stdin, log_command):
+        """From the test process's zygote (tests/zygote.py) when there is one and it can run this command."""
+        where = zygote.active() if self._fork is not None and not log_command else None
+        if where is None:
+            return super()._start(extra_env, cwd, stdin, log_command)
+        module, args, tag = self._fork
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for key, value in extra_env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        err = open(self.stderr_path, "w") if self.stderr_path is not None else None
+        try:
+            child = zygote.ZygoteProcess(*where, module, args, env, cwd, stdin, err)
+        except zygote.Refused:
+            return super()._start(extra_env, cwd, stdin, log_command)
+        finally:
+            if err is not None:
+                err.close()
+        zygote.SESSIONS.setdefault(tag, set()).add(child.pid)
+        return child
 
     @property
     def join_maddrs(self) -> list[str]:

@@ -41,7 +41,7 @@ def wait_for_p2pd(tag: str, proc: Proc, timeout: float) -> None:
 def test_sigint_3s_after_launch_stops_the_peer(reap):
     """Ctrl-C 3 s after `join` starts (imports, model build or DHT start, whichever it is in): exit 130 within
     seconds, nothing left. (Before: SIGINT was ignored while the DHT started, and the peer trained to the end.)"""
-    proc = Proc(["join", "--run-id", "t-sig-early", "--max-rounds", "2", *FAST], reap)
+    proc = Proc(["join", "--run-id", "t-sig-early", "--max-rounds", "2", *FAST], reap, fork=False)
     time.sleep(3.0)
     took = stop_and_time(proc, signal.SIGINT, 30)
     assert proc.returncode == 130, proc.stderr_tail()
