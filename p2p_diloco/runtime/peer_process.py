@@ -31,6 +31,17 @@ from .processes import kill_group, wait_group_gone
 JOIN_LINE = re.compile(r"^p2p-diloco join --initial-peers (?P<maddrs>.+?)(?: --run-id (?P<run_id>\S+))?\s*$")
 
 
+def child_env(extra_env: Mapping[str, str | None]) -> dict[str, str]:
+    """The environment a peer process starts with: ours, unbuffered, with ``extra_env`` set (None: removed)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for key, value in extra_env.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
 def parse_join_line(line: str) -> tuple[list[str], str | None] | None:
     """Parse the line a peer (or a bootstrap node) prints on start.
 
@@ -95,13 +106,8 @@ class PeerProcess:
             threading.Thread(target=self._read_stderr, daemon=True).start()
 
     def _start(self, extra_env: Mapping[str, str | None], cwd, stdin: bool, log_command: bool) -> subprocess.Popen:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        for key, value in extra_env.items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = value
-        common = dict(stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, env=env,
+        common = dict(stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                      env=child_env(extra_env),
                       cwd=cwd, start_new_session=True)  # binary pipes: LineReader decodes
         if self.stderr_path is None:
             return subprocess.Popen(self.cmd, stderr=subprocess.PIPE, **common)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from p2p_diloco.metrics import read_events
 from p2p_diloco.metrics.events import Event
-from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError
+from p2p_diloco.runtime.peer_process import PeerProcess, PeerStartError, child_env
 from p2p_diloco.swarm.planned import plan_peer
 from tests import zygote
 
@@ -51,12 +50,7 @@ class Proc(PeerProcess):
         if where is None:
             return super()._start(extra_env, cwd, stdin, log_command)
         module, args, tag = self._fork
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        for key, value in extra_env.items():
-            if value is None:
-                env.pop(key, None)
-            else:
-                env[key] = value
+        env = child_env(extra_env)
         err = open(self.stderr_path, "w") if self.stderr_path is not None else None
         try:
             child = zygote.ZygoteProcess(*where, module, args, env, cwd, stdin, err)
