@@ -18,7 +18,7 @@ PROBE = "tests.swarm.fork_probe"
 def first_line(proc: Proc, timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while not proc.lines:
-        assert proc.poll() is None or proc.lines, proc.stderr_tail()
+        assert proc.poll() is None, proc.stderr_tail()  # it ended without its line
         assert time.monotonic() < deadline, "no line"
         time.sleep(0.05)
     return json.loads(proc.lines[0])
