@@ -24,6 +24,7 @@ status as :class:`subprocess.Popen` gives it (``-N`` for a signal), then closes 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import runpy
@@ -136,6 +137,8 @@ def _run_child(request: dict, fds: list[int], wake: tuple[int, int]) -> int:
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
+    if request.get("netns"):
+        _enter_netns(request["netns"])
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -153,6 +156,22 @@ def _run_child(request: dict, fds: list[int], wake: tuple[int, int]) -> int:
         print(e.code, file=sys.stderr)
         return 1
     return 0
+
+
+CLONE_NEWNET = 0x40000000
+
+
+def _enter_netns(name: str) -> None:
+    """Move this process into network namespace ``name``, as ``ip netns exec NAME`` does for the command it runs
+    (the mount namespace ``ip`` also makes, for a /sys of that namespace, is not needed by a peer). Its children,
+    p2pd among them, inherit it."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {name}: {os.strerror(errno)}")
+    finally:
+        os.close(fd)
 
 
 class ChildExit(SystemExit):
@@ -174,10 +193,12 @@ class ZygoteProcess:
         module, args, env, cwd: what ``python -m module args`` would run, where and with which environment.
         stdin: a pipe to write to (True) or /dev/null.
         stderr: a file to write stderr to, or None for a pipe.
+        netns: the network namespace to run in (what ``ip netns exec NETNS`` would run it in), or None.
+        text: ``stdout`` (and a piped ``stderr``) as text, as ``subprocess.Popen(text=True)`` gives them.
     """
 
     def __init__(self, path: str, zygote_env: dict, module: str, args: list[str], env: dict[str, str],
-                 cwd: str | None, stdin: bool = False, stderr=None):
+                 cwd: str | None, stdin: bool = False, stderr=None, netns: str | None = None, text: bool = False):
         if import_time_env(env) != zygote_env:
             raise Refused("the environment differs where the imports read it")
         self.args, self.returncode = [module, *args], None
@@ -194,15 +215,16 @@ class ZygoteProcess:
         if stderr is None:
             err_r, err_w = os.pipe()
             theirs.append(err_w)
-            self.stderr = os.fdopen(err_r, "rb")
+            self.stderr = os.fdopen(err_r, "r" if text else "rb")
         else:
             theirs.append(os.dup(stderr.fileno()))
             self.stderr = None
-        self.stdout = os.fdopen(out_r, "rb")
+        self.stdout = os.fdopen(out_r, "r" if text else "rb")
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._conn.connect(path)
-            request = {"module": module, "args": list(args), "env": env, "cwd": str(cwd) if cwd else os.getcwd()}
+            request = {"module": module, "args": list(args), "env": env, "cwd": str(cwd) if cwd else os.getcwd(),
+                       "netns": netns}
             socket.send_fds(self._conn, [json.dumps(request).encode()], theirs)
             reply = json.loads(self._conn.recv(1 << 16) or b"{}")
         except OSError as e:  # the zygote has ended
@@ -243,6 +265,22 @@ class ZygoteProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def spawn(module: str, args: list[str], env: dict[str, str], tag: str, **kwargs) -> ZygoteProcess | None:
+    """``python -m module args`` forked from this test process's zygote and counted as ``tag``'s (tests/conftest.py
+    finds it by its session); None when there is no zygote or it cannot run this (start the process yourself).
+    ``kwargs``: :class:`ZygoteProcess`'s ``cwd``, ``stdin``, ``stderr``, ``netns``, ``text``."""
+    where = active()
+    if where is None:
+        return None
+    kwargs.setdefault("cwd", None)
+    try:
+        child = ZygoteProcess(*where, module, args, env, **kwargs)
+    except Refused:
+        return None
+    SESSIONS.setdefault(tag, set()).add(child.pid)
+    return child
 
 
 def start_zygote(path: str, timeout: float = 180.0) -> tuple[subprocess.Popen, dict]:

@@ -20,6 +20,13 @@ FAST = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000",
         "--set", "swarm.matchmaking_time=5.0", "--set", "swarm.request_timeout=2.0", "--set", "train.threads=1"]
 
 
+def _netns_of(prefix: list[str] | None) -> str | None:
+    """The namespace of an ``ip netns exec NAME`` prefix (which a zygote's child can enter itself), else None."""
+    if prefix and len(prefix) == 4 and list(prefix[:3]) == ["ip", "netns", "exec"]:
+        return prefix[3]
+    return None
+
+
 class Proc(PeerProcess):
     """A `python -m p2p_diloco ...` subprocess of a test: tagged (``TAG_VAR``, for the ``reap`` fixture), stdout and
     stderr collected by threads, and failures raised as AssertionError with the stderr tail.
@@ -28,7 +35,8 @@ class Proc(PeerProcess):
         args: the module's arguments; a ``join`` without ``--host-maddrs`` listens on 127.0.0.1 only.
         tag: the test's tag (the ``reap`` fixture).
         cwd: working directory.
-        prefix: e.g. ``ip netns exec NS`` (it execs the command, so the pid and process group stay ours).
+        prefix: e.g. ``ip netns exec NS`` (it execs the command, so the pid and process group stay ours; a process
+            forked from the zygote enters namespace NS itself).
         python_args: e.g. ``-m torch.distributed.run --nproc-per-node 2`` (a cluster peer; see torchrun_args).
         module: tests.swarm.faulty_peer for a peer with fault hooks (its own arguments come first).
         fork: forked from the test process's zygote when it can be (tests/zygote.py: the imports done); False starts
@@ -40,27 +48,24 @@ class Proc(PeerProcess):
         if "join" in args[:3] and "--host-maddrs" not in args:  # a peer listens on every interface by default
             at = args.index("join") + 1
             args = [*args[:at], "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args[at:]]
-        self._fork = (module, list(args), tag) if fork and not prefix and not python_args else None
+        netns = _netns_of(prefix)
+        self._fork = (module, list(args), tag, netns) if fork and (not prefix or netns) and not python_args else None
         super().__init__(args, module=module, python_args=python_args or (), prefix=prefix or (), cwd=cwd,
                          env={TAG_VAR: tag, "P2P_DILOCO_INITIAL_PEERS": None})
 
     def _start(self, extra_env, cwd, stdin, log_command):
         """From the test process's zygote (tests/zygote.py) when there is one and it can run this command."""
-        where = zygote.active() if self._fork is not None and not log_command else None
-        if where is None:
+        if self._fork is None or log_command:
             return super()._start(extra_env, cwd, stdin, log_command)
-        module, args, tag = self._fork
-        env = child_env(extra_env)
+        module, args, tag, netns = self._fork
         err = open(self.stderr_path, "w") if self.stderr_path is not None else None
         try:
-            child = zygote.ZygoteProcess(*where, module, args, env, cwd, stdin, err)
-        except zygote.Refused:
-            return super()._start(extra_env, cwd, stdin, log_command)
+            child = zygote.spawn(module, args, child_env(extra_env), tag, cwd=cwd, stdin=stdin, stderr=err,
+                                 netns=netns)
         finally:
             if err is not None:
                 err.close()
-        zygote.SESSIONS.setdefault(tag, set()).add(child.pid)
-        return child
+        return child if child is not None else super()._start(extra_env, cwd, stdin, log_command)
 
     @property
     def join_maddrs(self) -> list[str]:

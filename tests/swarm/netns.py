@@ -15,6 +15,33 @@ import signal
 import subprocess
 import time
 
+from p2p_diloco.runtime.processes import remove_shared_tensors
+
+
+def _is_shm_manager(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().startswith("torch_shm")
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _kill(pid: int) -> bool:
+    """SIGKILL ``pid``; False if it was already gone."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
 
 def _sh(*cmd: str, check: bool = True) -> str:
     r = subprocess.run(cmd, capture_output=True, text=True)
@@ -85,13 +112,20 @@ class Lan:
         return ["ip", "netns", "exec", self.ns[host], *argv]
 
     def teardown(self) -> None:
-        """Kill whatever still runs in our namespaces, then delete them (the veth pairs go with them)."""
-        for ns in self.created:
-            for pid in _sh("ip", "netns", "pids", ns, check=False).split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+        """Kill whatever still runs in our namespaces, then delete them (the veth pairs go with them).
+
+        torch's ``torch_shm_manager`` runs in the namespace of the peer that started it: it is left a few seconds to
+        delete the /dev/shm files of the peers' tensors and quit once its last client is gone (killed at once, it
+        left them there, ~20 a test); the shared-memory files of the processes killed here go with them."""
+        pids = [int(pid) for ns in self.created for pid in _sh("ip", "netns", "pids", ns, check=False).split()]
+        managers = [pid for pid in pids if _is_shm_manager(pid)]
+        killed = [pid for pid in pids if pid not in managers and _kill(pid)]
+        remove_shared_tensors(killed)
+        deadline = time.monotonic() + 5.0
+        while any(_alive(pid) for pid in managers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in managers:
+            _kill(pid)
         time.sleep(0.2)
         for ns in reversed(self.created):
             _sh("ip", "netns", "del", ns, check=False)

@@ -13,27 +13,31 @@ import torch
 
 from p2p_diloco.runtime.processes import kill_group, wait_group_gone
 from p2p_diloco.outer.codecs import get_codec
+from tests import zygote
 from tests.swarm.averager_peer import SHAPES, make_tensors
 
 # light: three small processes that train no model, with timeouts of seconds to spare
 pytestmark = [pytest.mark.swarm, pytest.mark.slow, pytest.mark.light, pytest.mark.timeout(240)]
-SCRIPT = Path(__file__).with_name("averager_peer.py")
+PEER = "tests.swarm.averager_peer"
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spawn(i, n, out, initial_from=None, die=None, tag="", attempts=1, codec="none", transport="p2p", extra=(),
            victim_in_group=False):
-    cmd = [sys.executable, str(SCRIPT), str(i), str(n), str(out), "--attempts", str(attempts), "--codec", codec,
-           "--transport", transport, *extra]
+    args = [str(i), str(n), str(out), "--attempts", str(attempts), "--codec", codec, "--transport", transport, *extra]
     if initial_from:
-        cmd += ["--initial-from", str(initial_from)]
+        args += ["--initial-from", str(initial_from)]
     if die is not None:
-        cmd += ["--die-after-parts", str(die)]
+        args += ["--die-after-parts", str(die)]
     if victim_in_group:  # the victim writes no result: nobody waits for it
-        cmd += ["--no-wait"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), P2P_DILOCO_TEST_TAG=tag)
+        args += ["--no-wait"]
     with open(f"{out}.log", "w") as log:  # hivemind's log, shown when a test fails
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+        forked = zygote.spawn(PEER, args, dict(os.environ, P2P_DILOCO_TEST_TAG=tag), tag, stderr=log, text=True)
+        if forked is not None:  # (tests/zygote.py: the imports done once)
+            return forked
+        env = dict(os.environ, PYTHONPATH=str(ROOT), P2P_DILOCO_TEST_TAG=tag)
+        return subprocess.Popen([sys.executable, "-m", PEER, *args], stdout=subprocess.PIPE, stderr=log, text=True,
+                                env=env, start_new_session=True, cwd=ROOT)
 
 
 def _run(tmp_path, n, tag, victim=None, attempts=1, timeout=150, codec="none", transport="p2p", extra=None,

@@ -2,13 +2,16 @@
 what it leaves behind is found by its test's tag, and peers do not share hivemind's process-shared locks."""
 
 import json
+import os
 import signal
+import subprocess
 import time
 
 import pytest
 
 from tests import zygote
 from tests.conftest import survivors, tagged_processes
+from tests.swarm import netns
 from tests.swarm.helpers import Proc
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
@@ -29,7 +32,28 @@ def test_a_forked_process_has_its_directory_environment_session_and_exit_code(tm
     assert proc.wait(60) == 7, proc.stderr_tail()
     assert isinstance(proc.popen, zygote.ZygoteProcess) == (zygote.active() is not None)
     info = json.loads(proc.lines[0])
-    assert info == {"cwd": str(tmp_path), "tag": reap, "pid": proc.pid, "sid": proc.pid, "argv": ["7"]}, info
+    assert info == {"cwd": str(tmp_path), "tag": reap, "pid": proc.pid, "sid": proc.pid, "argv": ["7"],
+                    "netns": os.readlink("/proc/self/ns/net")}, info
+
+
+def test_a_process_with_an_ip_netns_exec_prefix_runs_in_that_namespace(reap):
+    """The namespace tests run peers under ``ip netns exec NS``: a forked one enters NS itself (setns), and ends up
+    where the exec'd one does."""
+    reason = netns.unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    name = f"p2pdfork{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        want = f"net:[{os.stat(f'/var/run/netns/{name}').st_ino}]"
+        for fork in (True, False):
+            proc = Proc(["0"], reap, module=PROBE, prefix=["ip", "netns", "exec", name], fork=fork)
+            assert proc.wait(60) == 0, proc.stderr_tail()
+            if fork:
+                assert isinstance(proc.popen, zygote.ZygoteProcess) == (zygote.active() is not None)
+            assert json.loads(proc.lines[0])["netns"] == want != os.readlink("/proc/self/ns/net")
+    finally:
+        subprocess.run(["ip", "netns", "delete", name], check=False)
 
 
 def test_what_a_killed_forked_process_leaves_is_found_by_its_tag(reap):
