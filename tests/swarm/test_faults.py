@@ -63,8 +63,8 @@ def test_kill_mid_allreduce_costs_the_dead_members_slice_not_a_restart(tmp_path,
     victim = Proc(["--part-delay", "0.2", "join", *joining, *common], reap, module="tests.swarm.faulty_peer")
     for p in [*procs, victim]:
         p.wait_joined()
-    wait_for_event(tmp_path / victim.peer_id / "events.jsonl",
-                   lambda e: e["event"] == Event.ALLREDUCE_RUNNING and e["round"] == 1, 240, victim)
+    running = wait_for_event(tmp_path / victim.peer_id / "events.jsonl",
+                             lambda e: e["event"] == Event.ALLREDUCE_RUNNING and e["round"] == 1, 240, victim)
     time.sleep(1.0)  # its parts are on their way
     victim.kill_group()
     for p in procs:
@@ -72,8 +72,12 @@ def test_kill_mid_allreduce_costs_the_dead_members_slice_not_a_restart(tmp_path,
     done = {p.peer_id: [e for e in events_of(tmp_path, p) if e["event"] == Event.ALLREDUCE_DONE] for p in procs}
     assert all(d[0]["round"] == 1 and d[0]["lost"] == [victim.peer_id] and d[0]["group_size"] == n - 1
                for d in done.values()), done
-    for p in procs:  # that attempt committed: no failed one in round 1
-        assert not [e for e in events_of(tmp_path, p) if e["event"] == Event.ALLREDUCE_FAILED and e["round"] == 1]
+    # The attempt it died in committed: no failed attempt of round 1 after that one began. (One before it may fail
+    # without any death: at round 1, under load, a peer that had not yet read one member's record expected a group
+    # of 5 where the others expected 6, and that first matchmaking assembled no group; the next one did.)
+    for p in procs:
+        assert not [e for e in events_of(tmp_path, p) if e["event"] == Event.ALLREDUCE_FAILED and e["round"] == 1
+                    and e["t"] > running["t"]], events_of(tmp_path, p)
     assert len(digests_by_round(tmp_path, procs)[1]) == 1
     # a whole all-reduce of 6: every member sends 2 x 5/6 of the payload P; round 2's groups of 5 sent 2 x 4/5 P each
     payload = statistics.median(d[1]["bytes_sent"] for d in done.values()) * 5 / 8
