@@ -13,10 +13,6 @@ from hivemind.utils.mpfuture import MPFuture
 def main(args: list[str]) -> int:
     info = {"cwd": os.getcwd(), "tag": os.environ.get("P2P_DILOCO_TEST_TAG"), "pid": os.getpid(),
             "sid": os.getsid(0), "argv": sys.argv[1:], "netns": os.readlink("/proc/self/ns/net")}
-    if "RANK" in os.environ:  # a rank under torchrun
-        import torch
-
-        info.update(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]), threads=torch.get_num_threads())
     if "hold-lock" in args:
         info["held"] = MPFuture._update_lock.acquire(timeout=2)
     if "take-lock" in args:

@@ -15,7 +15,6 @@ from p2p_diloco.swarm.planned import plan_peer
 from tests import zygote
 
 TAG_VAR = "P2P_DILOCO_TEST_TAG"
-TORCHRUN_RANK = Path(__file__).with_name("torchrun_rank.py")
 # The default tiny model and H (~6 s per round on 2 cores) with a smaller corpus and shorter matchmaking waits.
 FAST = ["--set", "eval.batches=4", "--set", "data.max_bytes=1500000",
         "--set", "swarm.matchmaking_time=5.0", "--set", "swarm.request_timeout=2.0", "--set", "train.threads=1"]
@@ -38,8 +37,7 @@ class Proc(PeerProcess):
         cwd: working directory.
         prefix: e.g. ``ip netns exec NS`` (it execs the command, so the pid and process group stay ours; a process
             forked from the zygote enters namespace NS itself).
-        python_args: e.g. ``-m torch.distributed.run --nproc-per-node 2`` (a cluster peer; see torchrun_args;
-            forked from the zygote, torchrun's agent forks its ranks: tests/swarm/torchrun_rank.py).
+        python_args: e.g. ``-m torch.distributed.run --nproc-per-node 2`` (a cluster peer; see torchrun_args).
         module: tests.swarm.faulty_peer for a peer with fault hooks (its own arguments come first).
         fork: forked from the test process's zygote when it can be (tests/zygote.py: the imports done); False starts
             the process itself, for a test of what happens while it imports.
@@ -51,14 +49,7 @@ class Proc(PeerProcess):
             at = args.index("join") + 1
             args = [*args[:at], "--host-maddrs", "/ip4/127.0.0.1/tcp/0", *args[at:]]
         netns = _netns_of(prefix)
-        self._fork = None
-        if fork and (not prefix or netns):
-            if not python_args:
-                self._fork = (module, list(args), tag, netns)
-            elif list(python_args[:2]) == ["-m", "torch.distributed.run"]:
-                # torchrun itself, its ranks forked from its agent (tests/swarm/torchrun_rank.py)
-                self._fork = ("torch.distributed.run", [*python_args[2:], "--start-method", "fork", "--run-path",
-                                                        str(TORCHRUN_RANK), module, *args], tag, netns)
+        self._fork = (module, list(args), tag, netns) if fork and (not prefix or netns) and not python_args else None
         super().__init__(args, module=module, python_args=python_args or (), prefix=prefix or (), cwd=cwd,
                          env={TAG_VAR: tag, "P2P_DILOCO_INITIAL_PEERS": None})
 

@@ -12,7 +12,7 @@ import pytest
 from tests import zygote
 from tests.conftest import survivors, tagged_processes
 from tests.swarm import netns
-from tests.swarm.helpers import Proc, torchrun_args
+from tests.swarm.helpers import Proc
 
 pytestmark = [pytest.mark.swarm, pytest.mark.timeout(120)]
 PROBE = "tests.swarm.fork_probe"
@@ -75,19 +75,3 @@ def test_peers_do_not_share_hivemind_process_locks(reap):
     taker = Proc(["take-lock"], reap, module=PROBE)
     assert taker.wait(60) == 0, taker.stderr_tail()
     assert json.loads(taker.lines[0])["took"]
-
-
-def test_torchrun_ranks_forked_from_its_agent_start_as_exec_d_ones(reap):
-    """A torchrun peer forked from the zygote runs torchrun's own agent, which forks its ranks (``--start-method
-    fork``): each has the rank environment an exec'd rank has, and the one thread OMP_NUM_THREADS=1 gives it
-    (torchrun sets it for its ranks; OpenMP read it when the zygote loaded it, so the rank sets it itself)."""
-    seen = {}
-    for fork in (True, False):
-        proc = Proc([], reap, module=PROBE, python_args=torchrun_args(2), fork=fork)
-        assert proc.wait(120) == 0, proc.stderr_tail()
-        if fork:
-            assert isinstance(proc.popen, zygote.ZygoteProcess) == (zygote.active() is not None)
-        ranks = sorted((json.loads(line) for line in proc.lines), key=lambda info: info["rank"])
-        seen[fork] = [(r["rank"], r["world"], r["threads"]) for r in ranks]
-        assert len({r["pid"] for r in ranks} | {proc.pid}) == 3  # two rank processes and the agent
-    assert seen[True] == seen[False] == [(0, 2, 1), (1, 2, 1)], seen
