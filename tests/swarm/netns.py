@@ -116,7 +116,8 @@ class Lan:
 
         torch's ``torch_shm_manager`` runs in the namespace of the peer that started it: it is left a few seconds to
         delete the /dev/shm files of the peers' tensors and quit once its last client is gone (killed at once, it
-        left them there, ~20 a test); the shared-memory files of the processes killed here go with them."""
+        left them there: 22 after the client-push and three-host tests); the shared-memory files of the processes
+        killed here go with them."""
         pids = [int(pid) for ns in self.created for pid in _sh("ip", "netns", "pids", ns, check=False).split()]
         managers = [pid for pid in pids if _is_shm_manager(pid)]
         killed = [pid for pid in pids if pid not in managers and _kill(pid)]
