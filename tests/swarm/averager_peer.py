@@ -289,6 +289,8 @@ def main() -> None:
     p.add_argument("--expect", type=int, default=None,
                    help="the group size this peer asks for (default: group_size, the number of peers)")
     p.add_argument("--step-timeout", type=float, default=15.0, help="each attempt's step timeout")
+    p.add_argument("--chunk-timeout", type=float, default=3.0,
+                   help="next_chunk_timeout: how long a reducer waits without progress from any sender")
     p.add_argument("--in-place", action="store_true",
                    help="as swarm/averagers.py: one flat shared buffer, averaged in place, the input kept by the host")
     args = p.parse_args()
@@ -335,8 +337,8 @@ def main() -> None:
     mine = make_tensors(args.index, args.codec)
     flat = [torch.cat([t.reshape(-1) for t in mine])] if args.in_place else mine
     av = ExactAverager(flat, dht, start=False, prefix="avgtest",
-                       min_matchmaking_time=5.0, request_timeout=2.0, allreduce_timeout=30.0, next_chunk_timeout=3.0,
-                       part_size_bytes=2**16,
+                       min_matchmaking_time=5.0, request_timeout=2.0, allreduce_timeout=30.0,
+                       next_chunk_timeout=args.chunk_timeout, part_size_bytes=2**16,
                        compression=compression_for(args.codec, 2**16))
     from p2p_diloco.outer.aggregation import Policy
 

@@ -361,8 +361,13 @@ def test_a_follower_accepted_late_is_still_in_its_group(tmp_path, reap):
     member that fills it; on a loaded machine that answer can reach the follower later than hivemind's
     ``request_timeout`` (2 s here), and a follower that gave up was counted in a group it never heard of. Here
     both followers read each ACCEPTED 3 s late: with the leader named (led_matchmaking.py) they wait for it until
-    their step's deadline, and the group averages at the first attempt."""
-    led, late = ["--led-by-0"], ["--led-by-0", "--slow-accept", "3"]
+    their step's deadline, and the group averages at the first attempt.
+
+    The reducers wait ``next_chunk_timeout`` = 10 s (the ``[swarm]`` default) for a first part: the member that
+    fills the group starts sending 3 s after the leader started its all-reduce, so with the other tests' 3 s the
+    leader gave up on it whenever the earlier member's parts were in before that (CI, stop 41)."""
+    led = ["--led-by-0", "--chunk-timeout", "10"]
+    late = [*led, "--slow-accept", "3"]
     results = _run(tmp_path, 3, reap, transport="tcp", extra={0: led, 1: late, 2: late})
     assert all(r["ok"] and r["attempts"] == 1 and r["group_size"] == 3 for r in results.values()), results
     assert len({r["digest"] for r in results.values()}) == 1
