@@ -28,11 +28,13 @@ class RoundFailed(RuntimeError):
             (swarm/fastpath.py, swarm/runner.py; the same counts as a successful all-reduce's). 0 where nothing
             moved (no group was found) or nothing is known (a failure outside an all-reduce).
         bytes_received: likewise, the bytes read.
+        regroup: the attempt ended early because its matchmaking leader expects another group
+            (swarm/led_matchmaking.py): read the records again and retry at once; nobody failed.
     """
 
-    def __init__(self, *args, bytes_sent: int = 0, bytes_received: int = 0):
+    def __init__(self, *args, bytes_sent: int = 0, bytes_received: int = 0, regroup: bool = False):
         super().__init__(*args)
-        self.bytes_sent, self.bytes_received = bytes_sent, bytes_received
+        self.bytes_sent, self.bytes_received, self.regroup = bytes_sent, bytes_received, regroup
 
 
 class RunError(RuntimeError):

@@ -39,6 +39,10 @@ class Syncer:
         self.liveness = Liveness(cool_down=ctx.cfg.swarm.round_timeout)
         self.suspects = Suspects(ctx.swarm.probe, ctx.clock.monotonic)  # round-mates our own probe found dead
         self.died: frozenset[str] = frozenset()  # members of the running attempt found dead (it was aborted)
+        # the last attempt ended because its leader expects another group (led_matchmaking.py): we read the records
+        # again at once, and the next attempt waits for its leader as before (a stale leader's followers would
+        # otherwise read the records in a loop until its attempt ends)
+        self.regrouped = False
 
     def sync(self, r: int, buffer: list, tokens: int) -> Certificate | None:
         """Average ``buffer`` (our pseudo-gradient from theta(``r``), left as it is for a retry) with the round's
@@ -48,7 +52,7 @@ class Syncer:
         ctx = self.ctx
         sc = ctx.cfg.swarm
         wait = StragglerWait(self.deadlines, ctx.clock.monotonic())  # then round-mates still training are left out
-        attempt, alone_since = 0, None
+        attempt, alone_since, self.regrouped = 0, None, False
         ctx.swarm.publish(phase=Phase.SYNC)  # our pseudo-gradient for this round is ready
         while not ctx.stop.is_set():
             view, now = ctx.view(), ctx.clock.monotonic()
@@ -90,7 +94,7 @@ class Syncer:
                 return certificate
             # an attempt a member's death aborted is nobody's failure: the dead are left out as suspects, and a
             # restarted one must not find itself cooling down
-            charged = () if self.died else action.charged
+            charged = () if self.died or self.regrouped else action.charged
             cooled = [] if ctx.stop.is_set() else self.liveness.failed(charged, ctx.clock.monotonic())
             if cooled:
                 log.warning("round %d: %s failed %d attempts in a row with us: left out of our groups for a "
@@ -158,17 +162,12 @@ class Syncer:
             gather={"round": r, "digest": ctx.state.digest, "tokens": tokens, "head": ctx.state.chain_head},
             should_stop=should_stop, on_running=on_running, matchmaking_time=self.deadlines.get("matchmaking"),
             allreduce_timeout=self.deadlines.get("allreduce"), matchmaking_timeout=look, members=action.members or (),
-            leader=action.leader)
+            leader=action.leader, regroup=not self.regrouped)
+        self.regrouped = False
         try:
             result = ctx.state.average(ctx.swarm, request)
         except RoundFailed as e:
-            reason = f"{', '.join(sorted(self.died))} died (our probe was refused)" if self.died else str(e)
-            ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=reason, attempt=attempt,
-                              bytes_sent=e.bytes_sent, bytes_received=e.bytes_received)
-            if running:
-                self.deadlines.allreduce.backoff()
-            elif action.all_in and not ctx.stop.is_set():
-                self.deadlines.matchmaking.backoff()
+            self._failed(r, e, attempt, bool(running), action.all_in)
             return None
         got_result_at = ctx.clock.monotonic()
         self._done(r, result, action.all_in)
@@ -183,6 +182,20 @@ class Syncer:
                               bytes_sent=result.bytes_sent, bytes_received=result.bytes_received)
             return None
         return self._certify(r, ctx.state.prepare_averaged(ctx.swarm), result.gathered, got_result_at)
+
+    def _failed(self, r: int, e: RoundFailed, attempt: int, running: bool, all_in: bool) -> None:
+        """Account for a failed attempt: its event, and the deadline it proved too short, if any."""
+        ctx = self.ctx
+        reason = f"{', '.join(sorted(self.died))} died (our probe was refused)" if self.died else str(e)
+        ctx.emit_in_round(Event.ALLREDUCE_FAILED, r, reason=reason, attempt=attempt, bytes_sent=e.bytes_sent,
+                          bytes_received=e.bytes_received)
+        self.regrouped = e.regroup and not self.died
+        if self.regrouped:  # our view or the leader's is out of date: nobody's failure, no deadline was short
+            log.info("round %d: %s; reading the records again", r + 1, e)
+        elif running:
+            self.deadlines.allreduce.backoff()
+        elif all_in and not ctx.stop.is_set():
+            self.deadlines.matchmaking.backoff()
 
     def _done(self, r: int, result: AllReduceResult, all_in: bool) -> None:
         """Account for a successful all-reduce: deadlines, bytes, the group's digests, left-out contributions."""

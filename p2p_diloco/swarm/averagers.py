@@ -22,7 +22,7 @@ from hivemind.averaging.control import AveragingStage
 from ..outer.aggregation import Policy, corrupt_
 from ..outer.codecs import codec_for
 from ..errors import RoundFailed, SwarmError
-from .port import AllReduceResult
+from .port import VIEW_MISMATCH, AllReduceResult
 from .exact_averager import ExactAverager, quiet_step_failures
 from .compression import compression_for
 from .data_auth import DataKey, DataPeer, advertise
@@ -157,7 +157,8 @@ class Averagers:
     def all_reduce(self, round_: int, groups: Sequence[Sequence[torch.Tensor]], weight: float, group_size: int,
                    gather: dict[str, Any], should_stop: Callable[[], bool], on_running: Callable[[], None],
                    matchmaking_time: float, allreduce_timeout: float, look: float,
-                   shards: Sequence[int] | None = None, leader: str | None = None) -> AllReduceResult:
+                   shards: Sequence[int] | None = None, leader: str | None = None, regroup: bool = False
+                   ) -> AllReduceResult:
         """Average each group of tensors with its averager's group of exactly ``group_size`` peers, all at once.
 
         ``shards`` (sharded mode): the logical shard of each averager, in order; the result's ``shard_members`` then
@@ -168,13 +169,14 @@ class Averagers:
         attempt moved until then (its ``bytes_sent`` / ``bytes_received``: :meth:`_attempt_bytes`). On success the
         averages are in the averagers' buffers (:meth:`averaged`); the input tensors are never touched here.
         ``leader``: the member every member asks to lead matchmaking (led_matchmaking.py); whole-model groups only
-        (a shard's group is made of other processes).
+        (a shard's group is made of other processes); ``regroup``: a follower ends the attempt early if that leader
+        expects another group (led_matchmaking.py; the RoundFailed then has ``regroup`` set).
         """
         controls = []
         t0 = time.monotonic()
         try:
             self._start_steps(controls, round_, groups, weight, group_size, gather, matchmaking_time, allreduce_timeout,
-                              look, shards, leader)
+                              look, shards, leader, regroup)
             return self._wait(controls, round_, shards, t0, look, allreduce_timeout, should_stop, on_running)
         finally:
             for source in self.sources:  # the caller may free or reuse its buffer now
@@ -182,11 +184,12 @@ class Averagers:
 
     def _start_steps(self, controls: list, round_: int, groups: Sequence[Sequence[torch.Tensor]], weight: float,
                      group_size: int, gather: dict[str, Any], matchmaking_time: float, allreduce_timeout: float,
-                     look: float, shards: Sequence[int] | None, leader: str | None) -> None:
+                     look: float, shards: Sequence[int] | None, leader: str | None, regroup: bool = False) -> None:
         """Each averager's step of one attempt, started with our input in its buffer (appended to ``controls``)."""
         for averager, tensors, advert in zip(self.list, groups, self.adverts, strict=True):
             averager.set_round_params(round_bits(round_), group_size, timeout=30, matchmaking_time=matchmaking_time,
-                                      allreduce_timeout=allreduce_timeout, leader=None if shards else leader)
+                                      allreduce_timeout=allreduce_timeout, leader=None if shards else leader,
+                                      regroup=regroup and not shards)
             with averager.get_tensors() as buffers:
                 torch.cat([t.reshape(-1) for t in tensors], out=buffers[0])
                 averager.source_channel.set_inputs(tensors)  # unchanged until the next attempt (the caller's buffer)
@@ -227,7 +230,8 @@ class Averagers:
                 log.warning("direct TCP all-reduce failed (%s); using libp2p streams for this round", one_line(e))
                 self.p2p_only_round = round_
             sent, received = self._attempt_bytes()
-            raise RoundFailed(one_line(e), bytes_sent=sent, bytes_received=received) from None
+            raise RoundFailed(one_line(e), bytes_sent=sent, bytes_received=received,
+                              regroup=VIEW_MISMATCH in str(e)) from None
         return self._finish(results, shards, time.monotonic() - t0, assembled[0])
 
     def _finish(self, results: list, shards: Sequence[int] | None, seconds: float, assembled: float

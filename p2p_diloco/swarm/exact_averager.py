@@ -286,15 +286,15 @@ class ExactAverager(PushMixin, DecentralizedAverager):
                             "excluded": runner.excluded}
 
     async def _set_round_params(self, group_bits: str, group_size: int, future, matchmaking_time=None,
-                                allreduce_timeout=None, leader=None):
+                                allreduce_timeout=None, leader=None, regroup=False):
         """Executed in the averager process: key this attempt's matchmaking (:func:`attempt_key_bits`), require
         exactly ``group_size``, take this attempt's deadlines (adaptive deadlines change them between attempts),
-        its matchmaking leader (led_matchmaking.py; None: hivemind's election), and start counting its bytes
-        from 0."""
+        its matchmaking leader (led_matchmaking.py; None: hivemind's election; ``regroup``: end the attempt if
+        that leader expects another group), and start counting its bytes from 0."""
         try:
             mm = self._matchmaking
             self._guard_matchmaking(mm)
-            designate(mm, leader)
+            designate(mm, leader, regroup)
             mm.group_key_manager.group_bits = attempt_key_bits(group_bits, group_size)
             mm.group_key_manager.update_key_on_group_assembled = _keep_key
             self._attempt_runners = ()
@@ -334,13 +334,15 @@ class ExactAverager(PushMixin, DecentralizedAverager):
             yield message
 
     def set_round_params(self, group_bits: str, group_size: int, timeout: float, matchmaking_time: float | None = None,
-                         allreduce_timeout: float | None = None, leader: str | None = None) -> None:
+                         allreduce_timeout: float | None = None, leader: str | None = None,
+                         regroup: bool = False) -> None:
         if matchmaking_time is not None:  # the host side schedules the step with it (DecentralizedAverager.step)
             self.matchmaking_kwargs["min_matchmaking_time"] = matchmaking_time
         future = MPFuture()
         self._outer_pipe.send(("_set_round_params", [], dict(group_bits=group_bits, group_size=group_size,
                                                               future=future, matchmaking_time=matchmaking_time,
-                                                              allreduce_timeout=allreduce_timeout, leader=leader)))
+                                                              allreduce_timeout=allreduce_timeout, leader=leader,
+                                                              regroup=regroup)))
         future.result(timeout=timeout)
 
     async def _attempt_bytes(self, future) -> None:

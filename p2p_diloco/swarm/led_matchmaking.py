@@ -32,8 +32,20 @@ host names a leader for an attempt:
 
 So members starting apart wait for each other until the deadline instead of missing each other's window. A member
 whose view names another leader finds no group and retries, as before; a leader that died fails the attempt (the
-probe names it a suspect and the next attempt leaves it out). Without a leader (sharded groups, tests), hivemind's
-matchmaking runs unchanged.
+probe names it a suspect and the next attempt leaves it out).
+
+**A follower whose view is not its leader's** (``regroup``): the group size is in the group key, so a leader that
+expects another group answers ``BAD_GROUP_KEY``. One member that had not yet read a round-mate's record (CI: the
+other xdist worker compiling) used to ask its leader with the wrong size until its step's deadline, and the whole
+group's attempt failed with it (about 10 s). With ``regroup``, after :data:`MISMATCHES` such answers from the
+leader the follower ends its attempt with :class:`ViewMismatch`; its host reads the records again and starts the
+next attempt at once, which joins the leader's attempt still running if the fresh view agrees. Nothing is decided
+from the leader's answer: it only makes the follower look again. A stale *leader* is not helped (its followers
+look again, find the same group and wait as before), so the host asks for ``regroup`` once per decision
+(peer/syncer.py). A follower that leads followers of its own (views naming different leaders) does not end its
+attempt.
+
+Without a leader (sharded groups, tests), hivemind's matchmaking runs unchanged.
 """
 
 from __future__ import annotations
@@ -42,13 +54,23 @@ import asyncio
 import math
 import time
 
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-RETRY = 0.2  # seconds between a follower's first two requests to its leader; doubled after each, up to MAX_RETRY
+# RETRY: seconds between a follower's first two requests to its leader, doubled after each up to MAX_RETRY;
+# MISMATCHES: BAD_GROUP_KEY answers that end a regroup attempt; VIEW_MISMATCH: in a ViewMismatch's text, how the
+# host tells it apart (shared with the fake swarm, which has no hivemind: port.py)
+from .port import LEADER_RETRY as RETRY, REGROUP_REFUSALS as MISMATCHES, VIEW_MISMATCH
+
 MAX_RETRY = 1.0  # a follower whose view names another group asks again at most this often (the leader's load)
 LEADER_POLL = 0.05  # seconds; the shortest sleep of the leader's search (its declaration is being renewed)
+
+
+class ViewMismatch(MatchmakingException):
+    """Our designated leader answered :data:`MISMATCHES` times that it looks for a group of another key (another
+    size or round): our view of the round's members, or the leader's, is out of date."""
 
 
 def install(mm) -> None:
@@ -58,6 +80,7 @@ def install(mm) -> None:
     potential = mm.potential_leaders
     pop_next_leader, request_expiration = potential.pop_next_leader, mm.get_request_expiration_time
     mm.designated_leader, mm.last_request, mm.retry = None, -math.inf, RETRY
+    mm.regroup, mm.mismatches = False, 0
 
     async def led_pop_next_leader() -> PeerID:
         leader = mm.designated_leader
@@ -69,6 +92,8 @@ def install(mm) -> None:
             await asyncio.sleep(max(LEADER_POLL, potential.declared_expiration_time - get_dht_time()))
             raise asyncio.TimeoutError("the window of our declaration ended")
         await asyncio.sleep(max(0.0, mm.last_request + mm.retry - time.monotonic()))
+        if mm.regroup and mm.mismatches >= MISMATCHES and not getattr(mm, "current_followers", None):
+            raise ViewMismatch(f"{VIEW_MISMATCH} (it answered BAD_GROUP_KEY {mm.mismatches} times)")
         if math.isfinite(mm.last_request):
             mm.retry = min(2 * mm.retry, MAX_RETRY)
         mm.last_request = time.monotonic()
@@ -86,11 +111,13 @@ def install(mm) -> None:
         if mm.designated_leader is None or leader != mm.designated_leader or not math.isfinite(deadline):
             return await request_join_group(leader)
         usual = mm.request_timeout  # (read only by _request_join_group: its wait for the leader's answers)
+        servicer = mm._servicer_type  # (read only by _request_join_group: the leader's stub)
         mm.request_timeout = max(usual, deadline - get_dht_time())
+        mm._servicer_type = _FirstAnswers(servicer, lambda code: _answered(mm, code))
         try:
             return await request_join_group(leader)
         finally:
-            mm.request_timeout = usual
+            mm.request_timeout, mm._servicer_type = usual, servicer
 
     check = mm._check_reasons_to_reject
 
@@ -107,9 +134,55 @@ def install(mm) -> None:
     mm._check_reasons_to_reject = led_check
 
 
-def designate(mm, leader: str | None) -> None:
+def designate(mm, leader: str | None, regroup: bool = False) -> None:
     """The leader of ``mm``'s next attempt (a base58 peer id, ours or a round-mate's), or None for hivemind's own
-    election. Call between attempts (the averager's ``_set_round_params``)."""
+    election. Call between attempts (the averager's ``_set_round_params``). ``regroup``: a follower ends the
+    attempt with :class:`ViewMismatch` once its leader has answered that it expects another group (module
+    docstring)."""
     install(mm)
     mm.designated_leader = PeerID.from_base58(leader) if leader else None
     mm.last_request, mm.retry = -math.inf, RETRY
+    mm.regroup, mm.mismatches = regroup, 0
+
+
+def _answered(mm, code: int) -> None:
+    """Our designated leader's first answer to a join request: count the refusals that name another group."""
+    if code == averaging_pb2.BAD_GROUP_KEY:
+        mm.mismatches += 1
+
+
+class _FirstAnswers:
+    """Stands for the averager class where hivemind's ``_request_join_group`` asks it for the leader's stub, and
+    reports the code of the leader's first answer to ``on_code`` (hivemind keeps it to itself)."""
+
+    def __init__(self, servicer, on_code):
+        self.servicer, self.on_code = servicer, on_code
+
+    def get_stub(self, *args, **kwargs):
+        stub = self.servicer.get_stub(*args, **kwargs)
+        join, on_code = stub.rpc_join_group, self.on_code
+
+        async def rpc_join_group(*a, **k):
+            return _Peek(await join(*a, **k), on_code)
+        stub.rpc_join_group = rpc_join_group
+        return stub
+
+
+class _Peek:
+    """A leader's answer stream, unchanged, whose first message's code goes to ``on_code``."""
+
+    def __init__(self, stream, on_code):
+        self.stream, self.on_code = stream, on_code
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        message = await self.stream.__anext__()
+        if self.on_code is not None:
+            self.on_code(message.code)
+            self.on_code = None
+        return message
+
+    async def aclose(self):
+        await self.stream.aclose()

@@ -15,6 +15,13 @@ import torch
 from ..protocol.certificate import CHAIN_BYTES, MAX_BYTES, KeyBook, Signer
 from ..protocol.records import PeerRecord
 
+# A ``regroup`` attempt (AllReduceRequest.regroup) ends once its designated leader has answered REGROUP_REFUSALS
+# join requests, LEADER_RETRY s apart at least, with "I look for another group": the RoundFailed's text then holds
+# VIEW_MISMATCH (swarm/led_matchmaking.py; the fake swarm does the same).
+LEADER_RETRY = 0.2
+REGROUP_REFUSALS = 2
+VIEW_MISMATCH = "our leader expects another group"
+
 StateProvider = Callable[..., tuple[dict, list[torch.Tensor]]]  # () or (shard) -> (metadata, tensors) to donate
 
 
@@ -96,6 +103,8 @@ class AllReduceRequest:
             reach those peers before matchmaking (swarm.py: introductions).
         leader: the member (its peer id, maybe ours) that every member asks to lead matchmaking (None: any);
             :func:`p2p_diloco.protocol.consensus.matchmaking_leader`.
+        regroup: with ``leader``, a follower ends the attempt (:class:`RoundFailed` with ``regroup``) as soon as
+            the leader answers that it expects another group, instead of asking it until the deadline.
     """
 
     round: int
@@ -111,6 +120,7 @@ class AllReduceRequest:
     commit: bool = True
     members: Sequence[str] = ()
     leader: str | None = None
+    regroup: bool = False
 
 
 @dataclass

@@ -350,7 +350,7 @@ class Swarm:
         result = self.averagers.all_reduce(request.round, groups, request.weight, request.group_size,
                                            request.gather, request.should_stop, request.on_running,
                                            matchmaking_time, allreduce_timeout, look, shards=self.shards,
-                                           leader=request.leader)
+                                           leader=request.leader, regroup=request.regroup)
         if request.commit:
             with self.averagers.averaged() as averages:
                 for mine, average in zip(groups, averages, strict=True):

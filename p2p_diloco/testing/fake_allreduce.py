@@ -181,3 +181,14 @@ def matchmake(net: Any, call: Call) -> None:
         c.group = group
         c.found.set()
     net.sim.call_at(group.formed + net.assemble_seconds, group.begin)
+
+
+def leader_expects_other(net: Any, call: Call) -> bool:
+    """Whether ``call`` is a ``regroup`` follower whose designated leader is looking for a group under another key
+    (another size for the same run and round): the real leader answers such a request ``BAD_GROUP_KEY``
+    (swarm/led_matchmaking.py). The fake forms groups by key alone, so this is all a leader changes here."""
+    leader = call.request.leader
+    if not call.request.regroup or leader in (None, call.swarm.peer_id):
+        return False
+    theirs = next((c for c in net.looking if c.swarm.peer_id == leader and c.key[:2] == call.key[:2]), None)
+    return theirs is not None and theirs.key != call.key

@@ -45,9 +45,10 @@ from ..config.sharing import published_settings
 from ..errors import RoundFailed, SwarmError
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from ..protocol.trust import initial_peer_ids
-from ..swarm.port import BLOB_LIFETIMES, BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
+from ..swarm.port import (BLOB_LIFETIMES, BLOB_NAMES, LEADER_RETRY, REGROUP_REFUSALS, VIEW_MISMATCH, AllReduceRequest,
+                          AllReduceResult, check_blob, check_probe)
 from . import fake_transfer
-from .fake_allreduce import Call, Group, matchmake
+from .fake_allreduce import Call, Group, leader_expects_other, matchmake
 from .fake_keys import FakeKeys
 from .sim import Killed, Simulation
 
@@ -347,14 +348,20 @@ class FakeSwarm:
         return self._result(call, group)
 
     def _await(self, call: Call, deadline: float) -> Group:
-        """Wait for a group to take ``call``, or fail at ``deadline``."""
-        clock = self.net.clock
+        """Wait for a group to take ``call``, or fail at ``deadline``; a ``regroup`` follower whose leader expects
+        another group gives up after the leader's ``REGROUP_REFUSALS`` refusals, as the real one does."""
+        clock, refused_since = self.net.clock, None
         while call.group is None:
-            if call.request.should_stop() or clock.monotonic() >= deadline:
+            now = clock.monotonic()
+            refused_since = (refused_since or now) if leader_expects_other(self.net, call) else None
+            mismatch = refused_since is not None and now - refused_since >= LEADER_RETRY * (REGROUP_REFUSALS - 1)
+            if call.request.should_stop() or now >= deadline or mismatch:
                 if call in self.net.looking:
                     self.net.looking.remove(call)
+                if mismatch:
+                    raise RoundFailed(f"ViewMismatch: {VIEW_MISMATCH}", regroup=True)
                 raise RoundFailed("stopped" if call.request.should_stop() else "could not find a group")
-            clock.wait(call.found, min(self.net.poll, deadline - clock.monotonic()))
+            clock.wait(call.found, min(self.net.poll, LEADER_RETRY, deadline - now))
         return call.group
 
     def _result(self, call: Call, group: Group) -> AllReduceResult:

@@ -288,6 +288,10 @@ def main() -> None:
                    help="--transport tcp: serve the data port at once, then allow only this many more open files")
     p.add_argument("--expect", type=int, default=None,
                    help="the group size this peer asks for (default: group_size, the number of peers)")
+    p.add_argument("--first-expect", type=int, default=None,
+                   help="the group size this peer asks for in its first attempt only (a view missing a round-mate)")
+    p.add_argument("--regroup", action="store_true",
+                   help="with --led-by-0: end an attempt once the leader answers that it expects another group")
     p.add_argument("--step-timeout", type=float, default=15.0, help="each attempt's step timeout")
     p.add_argument("--chunk-timeout", type=float, default=3.0,
                    help="next_chunk_timeout: how long a reducer waits without progress from any sender")
@@ -364,8 +368,8 @@ def main() -> None:
     if args.led_by_0:  # peer 0's id: ours, or the last part of the address it wrote (/p2p/<id>)
         leader = dht.peer_id.to_base58() if initial is None else initial[0].rsplit("/p2p/", 1)[1]
     t0 = time.monotonic()
-    errors, result = [], None
-    for _ in range(args.attempts):
+    errors, result, attempt_seconds = [], None, []
+    for attempt in range(args.attempts):
         # Like Swarm.all_reduce: every attempt starts from our own tensors and the round's group key, because a
         # failed attempt leaves garbage in the buffers and hivemind moves the group key once a group assembles.
         # A retry is needed in practice: hivemind's matchmaking can assemble a group that one follower never hears
@@ -374,12 +378,16 @@ def main() -> None:
         with av.get_tensors() as ts:
             torch.cat([t.reshape(-1) for t in mine], out=ts[0]) if args.in_place else [
                 t.copy_(m) for t, m in zip(ts, mine)]
-        av.set_round_params("0110", args.expect or args.group_size, timeout=10, leader=leader)
+        size = args.first_expect if attempt == 0 and args.first_expect else args.expect or args.group_size
+        av.set_round_params("0110", size, timeout=10, leader=leader, regroup=args.regroup)
+        started = time.monotonic()
         try:
             result = av.step(weight=float(args.index + 1), timeout=args.step_timeout, allow_retries=False,
                              gather=gather)
+            attempt_seconds.append(round(time.monotonic() - started, 2))
             break
         except Exception as e:
+            attempt_seconds.append(round(time.monotonic() - started, 2))
             errors.append(repr(e)[:300])
             if args.retry_only_matchmaking and "could not find a group" not in repr(e):
                 break
@@ -389,12 +397,14 @@ def main() -> None:
                 ts = [piece.view_as(t) for piece, t in zip(ts[0].split([t.numel() for t in mine]), mine)]
             torch.save([t.clone() for t in ts], args.out + ".pt")
             out = {"ok": True, "digest": digest(ts), "group_size": result["group_size"], "attempts": len(errors) + 1,
+                   "errors": errors, "attempt_seconds": attempt_seconds,
                    "bytes_sent": result["bytes_sent"], "bytes_received": result["bytes_received"],
                    "me": dht.peer_id.to_base58(),
                    "gathered": {pid.to_base58(): {k: v for k, v in data.items() if k != "data"}  # (bytes)
                                 for pid, data in result["gathered"].items()}}
     else:
         out = {"ok": False, "error": errors[-1], "errors": errors, "seconds": time.monotonic() - t0,
+               "attempt_seconds": attempt_seconds,
                "attempt_bytes": av.attempt_bytes(timeout=10)}  # (sent, received) by the last attempt
     with open(args.out + ".json", "w") as f:
         json.dump(out, f)

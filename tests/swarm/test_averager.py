@@ -355,6 +355,23 @@ def test_a_slow_loris_on_a_members_data_port_cannot_stop_the_group(tmp_path, rea
     assert err < TOLERANCE["none"], err
 
 
+def test_a_follower_whose_view_misses_a_round_mate_regroups_within_the_leaders_attempt(tmp_path, reap):
+    """CI, 2026-12-07: one member of a 6-peer swarm had not read a round-mate's record yet and asked its leader for a
+    group of 5 while the others expected 6; the leader answered BAD_GROUP_KEY until the member's deadline, and the
+    whole attempt failed for everyone (about 10 s). Here peer 2's first attempt asks for a group of 2 (its view
+    misses peer 1): with ``regroup`` it ends that attempt after the leader's second such answer, and its next
+    attempt, with the right size, joins the leader's first attempt still running. Without it, peer 2 asks until
+    its 15 s deadline and peers 0 and 1 fail their only attempt."""
+    led = ["--led-by-0", "--regroup"]
+    results = _run(tmp_path, 3, reap, transport="tcp",
+                   extra={0: led, 1: led, 2: [*led, "--first-expect", "2", "--attempts", "2"]})
+    assert all(r["ok"] and r["group_size"] == 3 for r in results.values()), results
+    assert results[0]["attempts"] == results[1]["attempts"] == 1, results
+    assert results[2]["attempts"] == 2 and "our leader expects another group" in results[2]["errors"][0], results
+    assert results[2]["attempt_seconds"][0] < 5.0, results[2]  # not its 15 s deadline
+    assert len({r["digest"] for r in results.values()}) == 1
+
+
 def test_a_follower_accepted_late_is_still_in_its_group(tmp_path, reap):
     """CI, 2026-12-07, round 1 of a 3-peer swarm: two members waited 20 s for the third's part, which never came,
     and the round needed a second attempt. The leader assembles the group the moment it has sent ACCEPTED to the

@@ -22,8 +22,11 @@ def _restart_behind_client(tmp_path, reap, entry, reachable=(), reachable_in=Non
     """The scenario of the module docstring; ``reachable``: the reachable peer's own flags, ``*_in``: the command
     prefix that runs each peer in its network namespace (None: here)."""
     logs, ckpt = tmp_path / "logs", tmp_path / "ckpt"
-    common = ["--run-id", "t-push", "--initial-peers", *entry, "--max-rounds", str(ROUNDS), "--log-dir", str(logs),
-              "--data-seed", "7", *FAULT]
+    # --initial-peers-wait: the entry point's DHT must answer one ping within the RPC timeout (1.5 s with the default
+    # record lifetime), and on a loaded machine it once did not (a clean-clone run beside other tests, 2026-12-07:
+    # the client exited with "no initial peer answered"); a user's answer to that is the same flag
+    common = ["--run-id", "t-push", "--initial-peers", *entry, "--initial-peers-wait", "60", "--max-rounds",
+              str(ROUNDS), "--log-dir", str(logs), "--data-seed", "7", *FAULT]
     both = ["--set", "swarm.min_peers=2"]  # the first round of a fresh swarm: wait for each other
     first = Proc(["join", *reachable, *common, *both, "--checkpoint-dir", str(ckpt),
                   "--summary-json", str(tmp_path / "a.json")], reap, prefix=reachable_in)

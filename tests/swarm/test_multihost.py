@@ -56,8 +56,9 @@ def test_peers_on_three_hosts_join_through_a_bootstrap_node(tmp_path, reap, lan)
     try:
         entry = boot.wait_joined(60)
         assert entry[0].startswith(boot_addr + "/p2p/"), entry  # it announces its LAN address
-        common = ["--initial-peers", *entry, "--run-id", "t-multihost", "--max-rounds", str(ROUNDS),
-                  "--log-dir", str(tmp_path), "--set", "swarm.min_peers=3", *FAULT]
+        # (--initial-peers-wait: as in test_client_push.py, one slow ping of the entry point must not end a peer)
+        common = ["--initial-peers", *entry, "--initial-peers-wait", "60", "--run-id", "t-multihost", "--max-rounds",
+                  str(ROUNDS), "--log-dir", str(tmp_path), "--set", "swarm.min_peers=3", *FAULT]
         for host in ("a", "b", "nat"):
             where = ["--client-mode"] if host == "nat" else ["--host-maddrs", f"/ip4/{lan.ip[host]}/tcp/0"]
             procs.append(Proc(["join", *where, *common, "--summary-json", str(tmp_path / f"{host}.json")], reap,

@@ -12,7 +12,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
-from p2p_diloco.swarm.led_matchmaking import MAX_RETRY, RETRY, designate
+from p2p_diloco.swarm.led_matchmaking import MAX_RETRY, MISMATCHES, RETRY, VIEW_MISMATCH, ViewMismatch, designate
 
 pytestmark = pytest.mark.unit
 ME, LEADER, OTHER = (PeerID(bytes([i]) * 8) for i in range(3))
@@ -155,3 +155,52 @@ def test_a_followers_wait_for_an_answer_ends_at_its_deadline():
     result, waited = asyncio.run(ask())
     assert result is None and 0.5 < waited < 2.0, waited
     assert mm.request_timeout == 0.2
+
+
+class _Refusal(_Stream):
+    """A leader's stream that answers ``code`` at once and nothing more."""
+
+    def __init__(self, code: int):
+        self.messages = [(0.0, averaging_pb2.MessageFromLeader(code=code))]
+
+
+def _refused_follower(code: int, regroup: bool):
+    """A follower whose leader answers every request with ``code`` (hivemind's own ``_request_join_group``)."""
+    mm, _, _ = _follower(accepted_after=None, leader=LEADER, deadline_in=5.0)
+    mm._servicer_type = SimpleNamespace(get_stub=lambda *a, **k: SimpleNamespace(
+        rpc_join_group=lambda request: asyncio.sleep(0, _Refusal(code))))
+    designate(mm, LEADER.to_base58(), regroup=regroup)
+
+    async def asks(n: int) -> None:
+        mm.lock_request_join_group, mm.was_accepted_to_group = asyncio.Lock(), asyncio.Event()
+        mm.potential_leaders.search_end_time = get_dht_time() + 5.0
+        for _ in range(n):
+            assert await mm.potential_leaders.pop_next_leader() == LEADER
+            assert await mm._request_join_group(LEADER) is None
+        return await mm.potential_leaders.pop_next_leader()
+    return mm, asks
+
+
+def test_a_follower_whose_leader_expects_another_group_ends_its_attempt():
+    """CI, 2026-12-07: a member that had not read a round-mate's record asked for a group of 5 where its leader
+    expected 6, and was refused (BAD_GROUP_KEY) until its deadline. With ``regroup`` it ends the attempt after
+    MISMATCHES refusals, so that its host reads the records again."""
+    mm, asks = _refused_follower(averaging_pb2.BAD_GROUP_KEY, regroup=True)
+    servicer = mm._servicer_type
+    with pytest.raises(ViewMismatch, match=VIEW_MISMATCH):
+        asyncio.run(asks(MISMATCHES))
+    assert mm._servicer_type is servicer  # the stand-in that reads the leader's answers is gone after each request
+    mm, asks = _refused_follower(averaging_pb2.BAD_GROUP_KEY, regroup=True)
+    assert asyncio.run(asks(MISMATCHES - 1)) == LEADER  # one refusal: the leader may be changing attempts
+
+
+def test_other_refusals_and_a_follower_without_regroup_keep_asking():
+    mm, asks = _refused_follower(averaging_pb2.BAD_GROUP_KEY, regroup=False)
+    assert asyncio.run(asks(MISMATCHES + 1)) == LEADER and mm.mismatches == MISMATCHES + 1
+    mm, asks = _refused_follower(averaging_pb2.NOT_LOOKING_FOR_GROUP, regroup=True)  # the leader not there yet
+    assert asyncio.run(asks(MISMATCHES + 1)) == LEADER and mm.mismatches == 0
+    mm, asks = _refused_follower(averaging_pb2.BAD_GROUP_KEY, regroup=True)
+    mm.current_followers = {OTHER: "its request"}  # someone's view names us its leader: we are in a group attempt
+    assert asyncio.run(asks(MISMATCHES)) == LEADER
+    designate(mm, LEADER.to_base58(), regroup=True)  # the next attempt counts from 0
+    assert mm.mismatches == 0

@@ -1,0 +1,53 @@
+"""A member whose view misses a round-mate when its round's all-reduce starts (issue 20, "group agreement through
+matchmaking"), against the in-memory swarm: the group size is in the matchmaking key, so its leader, which
+expects the whole group, refuses it. With ``regroup`` (swarm/led_matchmaking.py) it reads the records again after
+the leader's refusals and joins the leader's attempt still running; before, it asked until its deadline and the
+whole group's attempt failed (CI, 2026-12-07: about 10 s lost)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from p2p_diloco.metrics.events import Event
+from p2p_diloco.testing.harness import SimSwarm
+from tests.sim.helpers import assert_every_round_certified_alike
+
+pytestmark = pytest.mark.sim
+NAMES = ("a", "b", "c", "d", "e")
+
+
+def _not_leading(rounds) -> list[str]:
+    """Peers that lead no group of these theta rounds (consensus.matchmaking_leader: the least hash of round and id)."""
+    leaders = {min(NAMES, key=lambda pid: hashlib.sha256(f"{r}:{pid}".encode()).digest()) for r in rounds}
+    return [n for n in NAMES if n not in leaders]
+
+
+@pytest.mark.parametrize("regroup", [True, False], ids=["regroup", "without"])
+def test_a_member_that_missed_a_round_mates_record_joins_the_leaders_attempt(regroup, monkeypatch):
+    if not regroup:  # what every attempt did before: ask the leader until the deadline
+        monkeypatch.setattr("p2p_diloco.testing.fake_swarm.leader_expects_other", lambda net, call: False)
+    reader, hidden = _not_leading(range(3))[:2]  # (a hidden leader would change the reader's leader, not its size)
+    with SimSwarm(["run.max_rounds=2", f"swarm.min_peers={len(NAMES)}"]) as swarm:
+        peers = {n: swarm.add(name=n) for n in NAMES}
+        me = peers[reader]
+
+        def miss() -> None:  # the reader's records miss one round-mate from its round 2 until just after it syncs
+            swarm.net.hide(reader, hidden)
+            swarm.when(me, lambda e: e["event"] == Event.ALLREDUCE_START and e["round"] == 2,
+                       lambda: swarm.sim.call_at(swarm.sim.now + 0.1, lambda: swarm.net.unhide(reader, hidden)))
+        swarm.when(me, lambda e: e["event"] == Event.ROUND_START and e["round"] == 2, miss)
+        swarm.finish()
+        first = me.of(Event.ALLREDUCE_START, round=2)[0]
+        assert first["expected_group_size"] == len(NAMES) - 1, "the reader's view did not miss its round-mate"
+        failed = {p.name: [e["reason"] for e in p.of(Event.ALLREDUCE_FAILED, round=2)] for p in peers.values()}
+        committed = max(e["t"] for p in peers.values() for e in p.of(Event.OUTER_STEP, round=2))
+        if not regroup:  # the control: the reader's attempt, and the round, waited out the matchmaking deadline
+            assert failed[reader] == ["could not find a group"], failed
+            assert committed - first["t"] > 5.0, committed - first["t"]
+            return
+        assert failed == {n: (["ViewMismatch: our leader expects another group"] if n == reader else [])
+                          for n in NAMES}, failed
+        assert committed - first["t"] < 2.0, committed - first["t"]
+        assert_every_round_certified_alike(list(peers.values()), 2)
