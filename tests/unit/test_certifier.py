@@ -63,3 +63,47 @@ def test_a_signature_checked_once_is_not_replaced_by_a_later_read():
     cert = _certifier(swarm).certify(3, s, got_result_at=0.0)
     assert cert is not None and cert.problem(keys) is None
     assert cert.signatures["b"] == good["b"]
+
+
+def _statement(members: str, after: str):
+    return statement_for("run", "fp", 3, "d3", after, {m: {"round": 3, "digest": "d3", "tokens": 1, "head": ""}
+                                                       for m in members})
+
+
+class RecordingSwarm(ScriptedSwarm):
+    def __init__(self, keys, script):
+        super().__init__(keys, script)
+        self.put = []
+
+    def put_blob(self, name, value, ttl=None):
+        self.put.append(name)
+
+
+@pytest.mark.parametrize("completed", [True, False], ids=["completed-late", "never-completed"])
+def test_no_second_statement_of_a_round_once_the_one_we_gave_up_on_completed(completed):
+    """chaos --quick on 3efd27d (16 peers, 2 cores): a gave up on {a, b}'s statement of round 1 without reading
+    b's signature, b read a's and committed; a then signed {a, c}'s statement of the same round, which committed
+    too: two states for one round. Now a reads the statement it gave up on once more before it signs another of
+    that round: complete (b's published certificate) -> a signs nothing; never completed -> a signs as before."""
+    keys = FakeKeys()
+    first, second = _statement("ab", "d4"), _statement("ac", "d4-other")
+    b_cert = Certificate(first, {m: sign(first, keys.signer(m)) for m in "ab"}).to_bytes()
+    phase = ["first"]
+
+    def script(reads, name):
+        if phase[0] == "first":
+            return {}  # b's signature is never read within the window
+        if name == "cert":
+            return {"b": b_cert} if completed else {}
+        return {"c": encode_signature(second, *sign(second, keys.signer("c")))}
+
+    swarm = RecordingSwarm(keys, script)
+    certifier = _certifier(swarm)
+    assert certifier.certify(3, first, got_result_at=0.0) is None  # gave up after the window
+    assert swarm.put == ["sig"]
+    phase[0] = "second"
+    cert = certifier.certify(3, second, got_result_at=swarm.now)
+    if completed:
+        assert cert is None and swarm.put == ["sig"], "a signed a second statement of round 3"
+    else:
+        assert cert is not None and cert.statement == second and swarm.put == ["sig", "sig"]
