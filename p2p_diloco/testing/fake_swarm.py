@@ -349,11 +349,13 @@ class FakeSwarm:
 
     def _await(self, call: Call, deadline: float) -> Group:
         """Wait for a group to take ``call``, or fail at ``deadline``; a ``regroup`` follower whose leader expects
-        another group gives up after the leader's ``REGROUP_REFUSALS`` refusals, as the real one does."""
+        another group gives up after the leader's ``REGROUP_REFUSALS`` refusals, as the real one does (only a
+        refused call wakes at the leader's pace: a scale run's long poll stays)."""
         clock, refused_since = self.net.clock, None
         while call.group is None:
             now = clock.monotonic()
-            refused_since = (refused_since or now) if leader_expects_other(self.net, call) else None
+            refused = leader_expects_other(self.net, call)
+            refused_since = (now if refused_since is None else refused_since) if refused else None
             mismatch = refused_since is not None and now - refused_since >= LEADER_RETRY * (REGROUP_REFUSALS - 1)
             if call.request.should_stop() or now >= deadline or mismatch:
                 if call in self.net.looking:
@@ -361,7 +363,7 @@ class FakeSwarm:
                 if mismatch:
                     raise RoundFailed(f"ViewMismatch: {VIEW_MISMATCH}", regroup=True)
                 raise RoundFailed("stopped" if call.request.should_stop() else "could not find a group")
-            clock.wait(call.found, min(self.net.poll, LEADER_RETRY, deadline - now))
+            clock.wait(call.found, min(min(LEADER_RETRY, self.net.poll) if refused else self.net.poll, deadline - now))
         return call.group
 
     def _result(self, call: Call, group: Group) -> AllReduceResult:
