@@ -79,21 +79,22 @@ def slow_answers(delay: float) -> None:
 
 
 def trailing_error() -> None:
-    """Patch the reducer so that it ends every answer stream with an error after its last averaged part: what
+    """Patch the reducer so that every answer stream carries an error right after its last averaged part: what
     hivemind's handler sends when something fails once all parts were answered (e.g. a sender's end of stream
-    arrives after ``sender_timeout``). The senders then hold every part of our slice."""
+    arrives after ``sender_timeout``). The senders then hold every part of our slice. (Patched where the answers
+    are made, before runner.py's handler waits for the sender to hang up: after that wait no sender reads it.)"""
     from hivemind.proto import averaging_pb2
 
     from p2p_diloco.swarm.exact_averager import ExactAllReduceRunner
 
-    original = ExactAllReduceRunner.rpc_aggregate_part
+    original = ExactAllReduceRunner._accumulate_parts_streaming
 
-    async def erring(self, stream, context):
-        async for msg in original(self, stream, context):
+    async def erring(self, stream, sender_index):
+        async for msg in original(self, stream, sender_index):
             yield msg
         yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
 
-    ExactAllReduceRunner.rpc_aggregate_part = erring
+    ExactAllReduceRunner._accumulate_parts_streaming = erring
 
 
 def impersonate(out: str) -> None:

@@ -84,6 +84,12 @@ def _tail(path, lines=40):
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else "(no log)"
 
 
+def _failures(results, tmp_path) -> str:
+    """The results, and the log tail of every peer that failed: what CI shows when an assert on ``ok`` fails."""
+    return "\n".join([repr(results)] + [f"--- peer {i}'s log:\n" + _tail(tmp_path / f"p{i}.log")
+                                         for i, r in sorted(results.items()) if not r["ok"]])
+
+
 def _expected_average(n):
     """Peer i weighs i + 1, capped at the lower median weight (aggregation.py); averager_peer.py reduces with mean."""
     weights = [min(float(i + 1), float((n - 1) // 2 + 1)) for i in range(n)]
@@ -113,7 +119,7 @@ def _expected_topk_average(n):
 def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap, codec, transport):
     n = 3
     results = _run(tmp_path, n, reap, attempts=3, codec=codec, transport=transport)
-    assert all(r["ok"] for r in results.values()), results
+    assert all(r["ok"] for r in results.values()), _failures(results, tmp_path)
     assert len({r["digest"] for r in results.values()}) == 1, "peers ended with different bits"
     got = torch.cat([t.flatten() for t in torch.load(tmp_path / "p0.pt")])
     if codec == "topk":
@@ -142,18 +148,23 @@ def test_exact_weighted_average_identical_on_every_peer(tmp_path, reap, codec, t
 
 
 def test_slow_answers_are_all_delivered_and_counted(tmp_path, reap):
-    """Peer 0, as a reducer, hands each averaged part over 50 ms late, so its own outputs (from the fast others)
+    """Peer 0, as a reducer, hands each averaged part over 200 ms late, so its own outputs (from the fast others)
     are complete while its answers to them are still streaming. Before ExactAllReduceRunner.wait_served such a
     peer returned early: its bytes_sent came out short (CI: 607 kB of 721 kB), and when it then shut down the
     others lost their last parts and failed (this test failed 3 runs of 3 without the fix). Now it stays until
     every sender has been answered."""
     n = 3
-    # Matchmaking may need a retry on a loaded machine (CI: all three found no group within 15 s); the all-reduce
-    # itself gets one chance, or a retry could hide the failure this test is about.
-    slow = ["--slow-answers", "0.05", "--retry-only-matchmaking"]
-    results = _run(tmp_path, n, reap, attempts=3, extra={0: slow, 1: ["--retry-only-matchmaking"],
-                                                         2: ["--retry-only-matchmaking"]})
-    assert all(r["ok"] for r in results.values()), results
+    # Peer 0 shuts down as soon as it has its result (--no-wait), as a peer that returned early would cut its last
+    # answers off; with wait_served disabled this test fails (2 runs of 2: "reducer <peer 0> failed (1 parts
+    # missing)" on both others). Matchmaking may need a retry on a loaded machine (CI: all three found no group
+    # within 15 s); the all-reduce itself gets one chance, or a retry could hide that failure. So the group is led
+    # by peer 0, as a Swarm names each round's leader: with hivemind's election a member can miss the group it was
+    # counted in, and the others' only chance then fails for want of its parts (CI, 2026-12-08: peer 0 gave up
+    # 7.7 s into its attempt with 196 kB received, and the third member found no group in 3 attempts).
+    once = ["--retry-only-matchmaking", "--led-by-0", "--chunk-timeout", "10"]
+    results = _run(tmp_path, n, reap, attempts=3,
+                   extra={0: ["--slow-answers", "0.2", "--no-wait", *once], 1: once, 2: once})
+    assert all(r["ok"] for r in results.values()), _failures(results, tmp_path)
     assert len({r["digest"] for r in results.values()}) == 1
     expected_bytes = 2 * (n - 1) / n * sum(get_codec("none").payload_bytes(torch.Size(s).numel()) for s in SHAPES)
     for r in results.values():
@@ -165,11 +176,13 @@ def test_reducer_error_after_its_last_part_loses_nothing(tmp_path, reap):
     """Peer 0, as a reducer, ends each answer stream with an error after its last averaged part, while peer 1's
     answers come slowly, so that the others are still waiting for peer 1's slice when the error arrives. They
     hold every part of peer 0's slice, so they must apply the round as peer 0 does; before the fix they aborted
-    ("reducer ... failed") while peer 0 applied it."""
-    once = "--retry-only-matchmaking"  # (as above: only matchmaking is retried)
-    results = _run(tmp_path, 3, reap, attempts=3, extra={0: ["--trailing-error", once],
-                                                         1: ["--slow-answers", "0.05", once], 2: [once]})
-    assert all(r["ok"] for r in results.values()), results
+    ("reducer ... failed") while peer 0 applied it. Two things now prevent that, each enough on its own (this
+    test fails only with both removed, 2 runs of 2): the senders hang up once they hold every part, before the
+    error is read (runner._CountingStub), and a reducer's failure with no part missing loses nothing."""
+    once = ["--retry-only-matchmaking", "--led-by-0", "--chunk-timeout", "10"]  # (as above)
+    results = _run(tmp_path, 3, reap, attempts=3, extra={0: ["--trailing-error", *once],
+                                                         1: ["--slow-answers", "0.05", *once], 2: once})
+    assert all(r["ok"] for r in results.values()), _failures(results, tmp_path)
     assert len({r["digest"] for r in results.values()}) == 1
 
 
@@ -193,7 +206,7 @@ def test_peer_death_mid_allreduce_over_tcp_leaves_the_survivors_one_result(tmp_p
     survivors re-reduce its slice (swarm/slice_repair.py) and return the same bits, as a group of two that no
     longer names it."""
     results = _run(tmp_path, 3, reap, victim=2, transport="tcp")
-    assert all(r["ok"] for r in results.values()), results
+    assert all(r["ok"] for r in results.values()), _failures(results, tmp_path)
     assert len({r["digest"] for r in results.values()}) == 1
     assert all(r["group_size"] == 2 and sorted(r["gathered"]) == sorted(x["me"] for x in results.values())
                for r in results.values()), results
@@ -208,7 +221,7 @@ def test_a_death_mid_allreduce_in_place_repairs_from_the_hosts_copy_of_the_input
     part read from the overwritten buffer instead would be neither."""
     n = 3
     results = _run(tmp_path, n, reap, victim=2, transport="tcp", extra={i: ["--in-place"] for i in range(n)})
-    assert all(r["ok"] for r in results.values()), results
+    assert all(r["ok"] for r in results.values()), _failures(results, tmp_path)
     assert len({r["digest"] for r in results.values()}) == 1
     assert all(r["group_size"] == 2 for r in results.values()), results
     got = torch.cat([t.flatten() for t in torch.load(tmp_path / "p0.pt")])
@@ -243,7 +256,7 @@ def test_an_insider_cannot_send_a_part_in_another_members_name(tmp_path, reap):
     n = 3
     late = ["--connect-after", str(tmp_path / "p2.answered")]  # written once every fake part was sent
     results = _run(tmp_path, n, reap, transport="tcp", attempts=3, extra={0: late, 1: late, 2: ["--impersonate"]})
-    assert all(r["ok"] for r in results.values()), results
+    assert all(r["ok"] for r in results.values()), _failures(results, tmp_path)
     assert len({r["digest"] for r in results.values()}) == 1
     assert (tmp_path / "p2.answered").read_text() == "0"  # every impersonated part was dropped unanswered
     got = torch.load(tmp_path / "p0.pt")
@@ -317,8 +330,9 @@ def test_a_slow_loris_on_a_members_data_port_cannot_stop_the_group(tmp_path, rea
 
     n, marker, attackers = 3, tmp_path / "attacked", []
     # Every peer opens its data-plane connections only once the attack is on (matchmaking may go on before);
-    # only matchmaking is retried, so that a retry cannot hide a failed all-reduce.
-    late = ["--connect-after", str(marker), "--retry-only-matchmaking"]
+    # only matchmaking is retried, so that a retry cannot hide a failed all-reduce; peer 0 leads, so that no member
+    # misses the group it is counted in (test_slow_answers_are_all_delivered_and_counted).
+    late = ["--connect-after", str(marker), "--retry-only-matchmaking", "--led-by-0"]
 
     def attack():
         port, deadline = tmp_path / "p0.port", time.monotonic() + 60
@@ -344,7 +358,7 @@ def test_a_slow_loris_on_a_members_data_port_cannot_stop_the_group(tmp_path, rea
         for attacker in attackers:
             attacker.kill()
             attacker.wait()
-    assert all(r["ok"] for r in results.values()), results
+    assert all(r["ok"] for r in results.values()), _failures(results, tmp_path)
     assert all(r["group_size"] == n for r in results.values()), results
     assert len({r["digest"] for r in results.values()}) == 1, "peers ended with different bits"
     assert int((tmp_path / "p0.refused").read_text()) > 0, "peer 0's server refused nothing: no attack met it"
