@@ -87,6 +87,7 @@ class Syncer:
             if isinstance(action, Solo):
                 return self._solo(r, buffer, tokens, action)
             attempt += 1
+            _log_attempt(r, attempt, action, view, ctx.clock.time())
             certificate = self._all_reduce(r, buffer, tokens, action, attempt)
             if certificate is not None:
                 self.liveness.succeeded(action.members or (), ctx.clock.monotonic())
@@ -220,3 +221,17 @@ class Syncer:
                         "resent)", r + 1, ", ".join(result.lost), result.group_size, result.resent)
         ctx.emit_in_round(Event.ALLREDUCE_DONE, r, group_size=result.group_size, bytes_sent=result.bytes_sent,
                           bytes_received=result.bytes_received, seconds=round(result.seconds, 3), **repaired)
+
+
+def _log_attempt(r: int, attempt: int, action: AllReduce, view: dict, now: float) -> None:
+    """Which group an attempt expects, and the view it was chosen from (how many records, in which round and
+    phase, how old): when the members' views disagree, the peers' logs side by side show how."""
+    phases: dict[str, int] = {}
+    for p in view.values():
+        key = f"r{p.round}:{p.phase}" if p.phase else f"r{p.round}"
+        phases[key] = phases.get(key, 0) + 1
+    ages = [now - p.t for p in view.values() if p.t is not None]
+    log.info("round %d attempt %d: group %s, led by %s (%s); view: %d records (%s), %.1f-%.1f s old", r + 1,
+             attempt, " ".join(sorted(m[-6:] for m in action.members or ())), (action.leader or "-")[-6:],
+             action.reason, len(view), " ".join(f"{k}={v}" for k, v in sorted(phases.items())),
+             min(ages, default=0.0), max(ages, default=0.0))

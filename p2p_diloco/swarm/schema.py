@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, Iterable, List, Literal, Optional, Union
 
 import pydantic.v1 as pydantic
 from hivemind.dht.routing import DHTID
@@ -189,6 +189,24 @@ TTL_SLACK_FACTOR, TTL_SLACK_S = 1.5, 5.0
 SIGNATURE_ROOM = 1024
 MAX_VALUE_BYTES = {"live": 16 * 1024, "config": 16 * 1024,
                    **{name: limit + SIGNATURE_ROOM for name, limit in BLOB_MAX_BYTES.items()}}
+
+
+LATE_HEARTBEATS = 2.0  # our live record outlives this many of our slowest recent heartbeat intervals
+HEARTBEAT_WINDOW = 8  # the heartbeat intervals record_lifetime looks at
+
+
+def record_lifetime(peer_ttl: float, intervals: Iterable[float]) -> float:
+    """How long our live record lives from its store: ``peer_ttl``, or longer when our own last heartbeats came
+    further apart than half of it (``intervals``: seconds between the last :data:`HEARTBEAT_WINDOW` stores).
+
+    Why: a starved host's heartbeats come late. 16 peers on 2 cores (benchmarks/chaos.py, 2026-12-08) read records
+    up to 13.7 s old with a 1 s heartbeat; with ``peer_ttl`` 6 s each peer then saw 4-11 of its 15 round-mates, a
+    different few each time, and no two agreed on a group for 420 s (0 rounds). Only the publisher knows its
+    heartbeats are late, so it is the one to say how long its record stays valid. At most ``TTL_SLACK_FACTOR x
+    peer_ttl``: what every DHT node with the same ``peer_ttl`` accepts (:func:`ttl_cap`) with the clock-skew slack
+    left whole. A peer whose heartbeats are on time keeps ``peer_ttl``, so its death is seen as soon as before."""
+    slowest = max(intervals, default=0.0)
+    return min(TTL_SLACK_FACTOR * peer_ttl, max(peer_ttl, LATE_HEARTBEATS * slowest))
 
 
 def ttl_cap(peer_ttl: float) -> float:

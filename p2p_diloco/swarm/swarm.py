@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 import threading
 import time
 from typing import Any, Callable, Collection, Iterator, Sequence
@@ -46,7 +47,8 @@ from .starting import dht_rpc_timeout, fix_command_pipe, start_dht, start_failur
 from .port import BLOB_LIFETIMES, BLOB_NAMES, AllReduceRequest, AllReduceResult, check_blob, check_probe
 from .probe import MAX_ADDRS, Prober
 from .identity import Identity, RSAKeyBook, records_by_owner
-from .schema import LIFETIMES, check_config_record, normalize_record, record_validators
+from .schema import (HEARTBEAT_WINDOW, LIFETIMES, check_config_record, normalize_record, record_lifetime,
+                     record_validators)
 from ..runtime.processes import descendants, keep_freed_memory, reap_children
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class Swarm:
                                         "client": self.sc.client_mode}
         self._record_lock = threading.Lock()
         self._expiration = 0.0  # of the last version of our live record we stored
+        self._beats: deque[float] = deque(maxlen=HEARTBEAT_WINDOW)  # seconds between our last heartbeats' stores
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self.dht: hivemind.DHT | None = None
@@ -222,7 +225,8 @@ class Swarm:
         with self._record_lock:
             self._record.update(wire_fields(fields))
             record = normalize_record(dict(self._record, t=time.time()))  # SwarmError: a bug of ours
-            expiration = max(get_dht_time() + (ttl or self.sc.peer_ttl), self._expiration + 1e-3)
+            life = ttl or record_lifetime(self.sc.peer_ttl, self._beats)  # longer if our heartbeats are late
+            expiration = max(get_dht_time() + life, self._expiration + 1e-3)
             self._expiration = expiration
         self._dht_call("store", f"{self.run_id}.live", record, expiration, subkey=self.identity.subkey(),
                        timeout=timeout)
@@ -282,10 +286,16 @@ class Swarm:
                 if isinstance(item.value, bytes) and (self.allowed is None or owner in self.allowed)}
 
     def _heartbeat_loop(self) -> None:
-        beats = 0
+        beats, last, late = 0, time.monotonic(), False
         while not self._stop.wait(self.sc.heartbeat_period):
             try:
                 self.publish()
+                with self._record_lock:  # (publish reads them) a failed heartbeat lengthens the next interval
+                    self._beats.append(time.monotonic() - last)
+                    last, life = last + self._beats[-1], record_lifetime(self.sc.peer_ttl, self._beats)
+                if (life > self.sc.peer_ttl) != late:  # said once each way
+                    late = life > self.sc.peer_ttl
+                    log.info("heartbeats %.1f s apart at most: our record lives %.1f s", max(self._beats), life)
                 self._refresh_kept()
                 if self._pusher is not None:  # a client-mode peer: push our state to the peers that ask us
                     with self._record_lock:

@@ -12,8 +12,8 @@ from hivemind.utils import MSGPackSerializer, get_dht_time
 from p2p_diloco.config import Config
 from p2p_diloco.swarm.identity import Identity
 from p2p_diloco.swarm.port import BLOB_MAX_BYTES, check_blob
-from p2p_diloco.swarm.schema import (LIFETIMES, MAX_VALUE_BYTES, RecordLimitsValidator, RunRecordsValidator,
-                                     ttl_cap)
+from p2p_diloco.swarm.schema import (LIFETIMES, MAX_VALUE_BYTES, TTL_SLACK_S, RecordLimitsValidator,
+                                     RunRecordsValidator, record_lifetime, ttl_cap)
 from p2p_diloco.swarm.swarm import record_validators
 from p2p_diloco.testing.fake_swarm import FakeNetwork
 from p2p_diloco.testing.sim import Killed, Simulation
@@ -50,6 +50,23 @@ def test_expirations_beyond_the_cap_are_refused(name):
     assert v.validate(_record(f"run.{name}", value, cap - 0.5))
     assert not v.validate(_record(f"run.{name}", value, cap + 0.5))
     assert not v.validate(_record(f"run.{name}", value, YEAR))
+
+
+@pytest.mark.parametrize("intervals, lifetime", [
+    ([], 6.0),  # no heartbeat yet: peer_ttl
+    ([1.0, 1.1, 1.05], 6.0),  # on time
+    ([1.0, 3.0], 6.0),  # half of peer_ttl apart: still peer_ttl
+    ([1.0, 4.0, 1.0], 8.0),  # the slowest of the window counts
+    ([7.0], 9.0),  # capped at 1.5 x peer_ttl
+    ([60.0], 9.0),
+])
+def test_a_live_record_lives_longer_when_our_heartbeats_are_late(intervals, lifetime):
+    """Swarm.publish: a starved host's record outlives two of its slowest recent heartbeat intervals (16 peers on 2
+    cores: records up to 13.7 s old with a 1 s heartbeat), never beyond what every DHT node of the run accepts with
+    the clock-skew slack left whole."""
+    assert record_lifetime(PEER_TTL, intervals) == lifetime
+    v = RecordLimitsValidator("run", PEER_TTL)
+    assert v.validate(_record("run.live", {"round": 3}, lifetime + TTL_SLACK_S - 0.5))  # a skewed node's view
 
 
 @pytest.mark.parametrize("name", list(LIFETIMES))
