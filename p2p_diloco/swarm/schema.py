@@ -199,12 +199,13 @@ def record_lifetime(peer_ttl: float, intervals: Iterable[float]) -> float:
     """How long our live record lives from its store: ``peer_ttl``, or longer when our own last heartbeats came
     further apart than half of it (``intervals``: seconds between the last :data:`HEARTBEAT_WINDOW` stores).
 
-    Why: a starved host's heartbeats come late. 16 peers on 2 cores (benchmarks/chaos.py, 2026-12-08) read records
-    up to 13.7 s old with a 1 s heartbeat; with ``peer_ttl`` 6 s each peer then saw 4-11 of its 15 round-mates, a
-    different few each time, and no two agreed on a group for 420 s (0 rounds). Only the publisher knows its
+    Why: a starved host's heartbeats come late. With 16 peers on 2 cores (benchmarks/chaos.py, 2026-12-08) they
+    came 4-8 s apart (1 s configured); with ``peer_ttl`` 6 s each peer then saw 3-15 of its 15 round-mates (10.7 on
+    average), a different few at each read, and no round committed in 420 s. Only the publisher knows its
     heartbeats are late, so it is the one to say how long its record stays valid. At most ``TTL_SLACK_FACTOR x
     peer_ttl``: what every DHT node with the same ``peer_ttl`` accepts (:func:`ttl_cap`) with the clock-skew slack
-    left whole. A peer whose heartbeats are on time keeps ``peer_ttl``, so its death is seen as soon as before."""
+    left whole. A peer whose heartbeats are on time keeps ``peer_ttl``, so its death is seen as soon as before.
+    (Measured there, it raised the records a view held from 10.7 to 13.9-14.3 of 15: docs/scale.md.)"""
     slowest = max(intervals, default=0.0)
     return min(TTL_SLACK_FACTOR * peer_ttl, max(peer_ttl, LATE_HEARTBEATS * slowest))
 
