@@ -22,7 +22,7 @@ from hivemind.averaging.control import AveragingStage
 from ..outer.aggregation import Policy, corrupt_
 from ..outer.codecs import codec_for
 from ..errors import RoundFailed, SwarmError
-from .port import VIEW_MISMATCH, AllReduceResult
+from .port import FOLLOWERS_MISMATCH, VIEW_MISMATCH, AllReduceResult
 from .exact_averager import ExactAverager, quiet_step_failures
 from .compression import compression_for
 from .data_auth import DataKey, DataPeer, advertise
@@ -231,7 +231,7 @@ class Averagers:
                 self.p2p_only_round = round_
             sent, received = self._attempt_bytes()
             raise RoundFailed(one_line(e), bytes_sent=sent, bytes_received=received,
-                              regroup=VIEW_MISMATCH in str(e)) from None
+                              regroup=VIEW_MISMATCH in str(e) or FOLLOWERS_MISMATCH in str(e)) from None
         return self._finish(results, shards, time.monotonic() - t0, assembled[0])
 
     def _finish(self, results: list, shards: Sequence[int] | None, seconds: float, assembled: float

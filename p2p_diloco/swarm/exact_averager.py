@@ -42,6 +42,7 @@ from .data_auth import DataAuthError, DataPeer, verify_advertisement
 from .data_server import DataServer
 from .fastpath import FastAllReduce
 from .led_matchmaking import designate
+from .port import SIZE_BITS
 from .runner import STREAM_OPEN_TIMEOUT, ExactAllReduceRunner
 from .source_channel import cut
 from .state_push import PushMixin, read_state
@@ -62,7 +63,6 @@ class _StepFailuresAreTheHosts(logging.Filter):
 
 
 _STEP_FILTER = _StepFailuresAreTheHosts()
-SIZE_BITS = 16  # the group size, at the end of an attempt's group key
 
 
 def attempt_key_bits(group_bits: str, group_size: int) -> str:

@@ -40,10 +40,16 @@ other xdist worker compiling) used to ask its leader with the wrong size until i
 group's attempt failed with it (about 10 s). With ``regroup``, after :data:`MISMATCHES` such answers from the
 leader the follower ends its attempt with :class:`ViewMismatch`; its host reads the records again and starts the
 next attempt at once, which joins the leader's attempt still running if the fresh view agrees. Nothing is decided
-from the leader's answer: it only makes the follower look again. A stale *leader* is not helped (its followers
-look again, find the same group and wait as before), so the host asks for ``regroup`` once per decision
-(peer/syncer.py). A follower that leads followers of its own (views naming different leaders) does not end its
-attempt.
+from the leader's answer: it only makes the follower look again. A follower that leads followers of its own
+(views naming different leaders) does not end its attempt.
+
+**A leader whose view is not its followers'**: its followers look again, find the same group and would wait out
+the leader's attempt (16 peers on 2 cores, 2026-12-08: a leader whose view missed one member expected 15, its 15
+followers asked for 16, and all lost its 43 s attempt). With ``regroup`` the leader counts the distinct followers
+it refused with ``BAD_GROUP_KEY``; once they are half of those it expects, and at least :data:`MISMATCHES`
+(:func:`followers_to_regroup`), it ends its attempt with :class:`ViewMismatch` too, and its host reads the records
+again. Again nothing is decided from the answers. The host asks for ``regroup`` once per decision
+(peer/syncer.py), so neither side regroups twice in a row.
 
 Without a leader (sharded groups, tests), hivemind's matchmaking runs unchanged.
 """
@@ -62,7 +68,8 @@ from hivemind.utils import get_dht_time
 # RETRY: seconds between a follower's first two requests to its leader, doubled after each up to MAX_RETRY;
 # MISMATCHES: BAD_GROUP_KEY answers that end a regroup attempt; VIEW_MISMATCH: in a ViewMismatch's text, how the
 # host tells it apart (shared with the fake swarm, which has no hivemind: port.py)
-from .port import LEADER_RETRY as RETRY, REGROUP_REFUSALS as MISMATCHES, VIEW_MISMATCH
+from .port import (FOLLOWERS_MISMATCH, LEADER_RETRY as RETRY, REGROUP_REFUSALS as MISMATCHES, SIZE_BITS,
+                   VIEW_MISMATCH, followers_to_regroup)
 
 MAX_RETRY = 1.0  # a follower whose view names another group asks again at most this often (the leader's load)
 LEADER_POLL = 0.05  # seconds; the shortest sleep of the leader's search (its declaration is being renewed)
@@ -80,17 +87,14 @@ def install(mm) -> None:
     potential = mm.potential_leaders
     pop_next_leader, request_expiration = potential.pop_next_leader, mm.get_request_expiration_time
     mm.designated_leader, mm.last_request, mm.retry = None, -math.inf, RETRY
-    mm.regroup, mm.mismatches = False, 0
+    mm.regroup, mm.mismatches, mm.refused = False, 0, set()
 
     async def led_pop_next_leader() -> PeerID:
         leader = mm.designated_leader
         if leader is None:
             return await pop_next_leader()
-        if leader == mm.peer_id:  # nobody to ask: at the end of our declaration hivemind assembles or disbands
-            while not math.isfinite(potential.declared_expiration_time):
-                await asyncio.sleep(LEADER_POLL)
-            await asyncio.sleep(max(LEADER_POLL, potential.declared_expiration_time - get_dht_time()))
-            raise asyncio.TimeoutError("the window of our declaration ended")
+        if leader == mm.peer_id:
+            await _lead(mm)
         await asyncio.sleep(max(0.0, mm.last_request + mm.retry - time.monotonic()))
         if mm.regroup and mm.mismatches >= MISMATCHES and not getattr(mm, "current_followers", None):
             raise ViewMismatch(f"{VIEW_MISMATCH} (it answered BAD_GROUP_KEY {mm.mismatches} times)")
@@ -127,7 +131,11 @@ def install(mm) -> None:
             request = averaging_pb2.JoinRequest(schema_hash=request.schema_hash, expiration=ours,
                                                 client_mode=request.client_mode, gather=request.gather,
                                                 group_key=request.group_key)
-        return check(request, context)
+        reason = check(request, context)
+        if (reason is not None and reason.code == averaging_pb2.BAD_GROUP_KEY and mm.designated_leader == mm.peer_id
+                and _same_round(request.group_key, mm.group_key_manager.current_key)):
+            mm.refused.add(context.remote_id)  # a round-mate that expects another group size
+        return reason
 
     potential.pop_next_leader, mm.get_request_expiration_time = led_pop_next_leader, led_request_expiration
     mm._request_join_group = led_request_join_group
@@ -142,7 +150,25 @@ def designate(mm, leader: str | None, regroup: bool = False) -> None:
     install(mm)
     mm.designated_leader = PeerID.from_base58(leader) if leader else None
     mm.last_request, mm.retry = -math.inf, RETRY
-    mm.regroup, mm.mismatches = regroup, 0
+    mm.regroup, mm.mismatches, mm.refused = regroup, 0, set()
+
+
+async def _lead(mm) -> None:
+    """As the designated leader we ask nobody: wait out our declaration's window, when hivemind assembles a full
+    group or disbands (TimeoutError), or end the attempt once enough of our followers asked for another group."""
+    potential = mm.potential_leaders
+    while not math.isfinite(potential.declared_expiration_time):
+        await asyncio.sleep(LEADER_POLL)
+    while (left := potential.declared_expiration_time - get_dht_time()) > 0:
+        if mm.regroup and len(mm.refused) >= followers_to_regroup(mm.target_group_size):
+            raise ViewMismatch(f"{FOLLOWERS_MISMATCH} ({len(mm.refused)} asked for another group size)")
+        await asyncio.sleep(max(LEADER_POLL, min(left, RETRY)))
+    raise asyncio.TimeoutError("the window of our declaration ended")
+
+
+def _same_round(key: str, ours: str) -> bool:
+    """Whether two attempts' group keys differ at most in the group size (their last ``SIZE_BITS`` bits)."""
+    return isinstance(key, str) and len(key) == len(ours) and key[:-SIZE_BITS] == ours[:-SIZE_BITS]
 
 
 def _answered(mm, code: int) -> None:

@@ -21,6 +21,16 @@ from ..protocol.records import PeerRecord
 LEADER_RETRY = 0.2
 REGROUP_REFUSALS = 2
 VIEW_MISMATCH = "our leader expects another group"
+# ...and a designated leader's attempt ends once at least half of the followers it expects (and REGROUP_REFUSALS)
+# asked it for another group: then its own view is the likelier stale one (FOLLOWERS_MISMATCH in the text).
+FOLLOWERS_MISMATCH = "our followers expect another group"
+SIZE_BITS = 16  # the group size, at the end of an attempt's group key (exact_averager.attempt_key_bits)
+
+
+def followers_to_regroup(group_size: int | None) -> int:
+    """How many distinct followers asking a designated leader for another group size end its ``regroup`` attempt:
+    half of those it expects, and at least REGROUP_REFUSALS (one stale follower regroups by itself)."""
+    return max(REGROUP_REFUSALS, (group_size or 2) // 2)
 
 StateProvider = Callable[..., tuple[dict, list[torch.Tensor]]]  # () or (shard) -> (metadata, tensors) to donate
 

@@ -12,6 +12,7 @@ import torch
 
 from ..outer.aggregation import Contribution, Policy, aggregate, corrupt_
 from ..outer.codecs import codec_for
+from ..swarm.port import followers_to_regroup
 
 
 @dataclass
@@ -23,6 +24,7 @@ class Call:
     started: float
     found: Any  # SimEvent: set when a group takes this call
     group: Group | None = None
+    refused: set = field(default_factory=set)  # (as a designated leader) followers seen asking under another key
 
     @property
     def key(self) -> tuple:
@@ -183,12 +185,26 @@ def matchmake(net: Any, call: Call) -> None:
     net.sim.call_at(group.formed + net.assemble_seconds, group.begin)
 
 
+def followers_expect_other(call: Call) -> bool:
+    """Whether ``call`` is a ``regroup`` designated leader that refused as many distinct followers asking under
+    another key as end a real leader's attempt (``port.followers_to_regroup``; :func:`leader_expects_other` counts
+    them, once each, as the real leader does whether they stay or not)."""
+    if not call.request.regroup or call.request.leader != call.swarm.peer_id:
+        return False
+    return len(call.refused) >= followers_to_regroup(call.request.group_size)
+
+
 def leader_expects_other(net: Any, call: Call) -> bool:
     """Whether ``call`` is a ``regroup`` follower whose designated leader is looking for a group under another key
     (another size for the same run and round): the real leader answers such a request ``BAD_GROUP_KEY``
-    (swarm/led_matchmaking.py). The fake forms groups by key alone, so this is all a leader changes here."""
+    (swarm/led_matchmaking.py), and counts it if it leads by designation too. The fake forms groups by key alone,
+    so this is all a leader changes here."""
     leader = call.request.leader
-    if not call.request.regroup or leader in (None, call.swarm.peer_id):
+    if leader in (None, call.swarm.peer_id):
         return False
     theirs = next((c for c in net.looking if c.swarm.peer_id == leader and c.key[:2] == call.key[:2]), None)
-    return theirs is not None and theirs.key != call.key
+    if theirs is None or theirs.key == call.key:
+        return False
+    if theirs.request.leader == leader:
+        theirs.refused.add(call.swarm.peer_id)
+    return call.request.regroup

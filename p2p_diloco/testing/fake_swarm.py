@@ -45,10 +45,10 @@ from ..config.sharing import published_settings
 from ..errors import RoundFailed, SwarmError
 from ..protocol.records import Phase, PeerRecord, wire_fields
 from ..protocol.trust import initial_peer_ids
-from ..swarm.port import (BLOB_LIFETIMES, BLOB_NAMES, LEADER_RETRY, REGROUP_REFUSALS, VIEW_MISMATCH, AllReduceRequest,
-                          AllReduceResult, check_blob, check_probe)
+from ..swarm.port import (BLOB_LIFETIMES, BLOB_NAMES, FOLLOWERS_MISMATCH, LEADER_RETRY, REGROUP_REFUSALS,
+                          VIEW_MISMATCH, AllReduceRequest, AllReduceResult, check_blob, check_probe)
 from . import fake_transfer
-from .fake_allreduce import Call, Group, leader_expects_other, matchmake
+from .fake_allreduce import Call, Group, followers_expect_other, leader_expects_other, matchmake
 from .fake_keys import FakeKeys
 from .sim import Killed, Simulation
 
@@ -354,14 +354,16 @@ class FakeSwarm:
         clock, refused_since = self.net.clock, None
         while call.group is None:
             now = clock.monotonic()
-            refused = leader_expects_other(self.net, call)
+            led_other = followers_expect_other(call)  # (as a leader; as a follower:)
+            refused = led_other or leader_expects_other(self.net, call)
             refused_since = (now if refused_since is None else refused_since) if refused else None
             mismatch = refused_since is not None and now - refused_since >= LEADER_RETRY * (REGROUP_REFUSALS - 1)
             if call.request.should_stop() or now >= deadline or mismatch:
                 if call in self.net.looking:
                     self.net.looking.remove(call)
                 if mismatch:
-                    raise RoundFailed(f"ViewMismatch: {VIEW_MISMATCH}", regroup=True)
+                    why = FOLLOWERS_MISMATCH if led_other else VIEW_MISMATCH
+                    raise RoundFailed(f"ViewMismatch: {why}", regroup=True)
                 raise RoundFailed("stopped" if call.request.should_stop() else "could not find a group")
             clock.wait(call.found, min(min(LEADER_RETRY, self.net.poll) if refused else self.net.poll, deadline - now))
         return call.group

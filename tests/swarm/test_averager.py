@@ -386,6 +386,22 @@ def test_a_follower_whose_view_misses_a_round_mate_regroups_within_the_leaders_a
     assert len({r["digest"] for r in results.values()}) == 1
 
 
+def test_a_leader_whose_view_misses_a_round_mate_regroups_when_its_followers_ask_for_another_group(tmp_path, reap):
+    """16 peers on 2 cores (2026-12-08): a leader whose view missed one member expected 15 while its 15 followers
+    asked for 16; the followers' own regroup only made them read the same records again, and all lost the leader's
+    whole attempt (43 s). Here the leader's first attempt asks for a group of 2: once both followers asked it for a
+    group of 3 (half of those it expects, and at least 2) it ends that attempt, and its next one, with the right
+    size, takes them. Without the leader's regroup it waits out its 15 s deadline."""
+    led = ["--led-by-0", "--regroup"]
+    results = _run(tmp_path, 3, reap, transport="tcp",
+                   extra={0: [*led, "--first-expect", "2", "--attempts", "2"], 1: [*led, "--attempts", "8"],
+                          2: [*led, "--attempts", "8"]})
+    assert all(r["ok"] and r["group_size"] == 3 for r in results.values()), _failures(results, tmp_path)
+    assert results[0]["attempts"] == 2 and "our followers expect another group" in results[0]["errors"][0], results
+    assert results[0]["attempt_seconds"][0] < 5.0, results[0]  # not its 15 s deadline
+    assert len({r["digest"] for r in results.values()}) == 1
+
+
 def test_a_follower_accepted_late_is_still_in_its_group(tmp_path, reap):
     """CI, 2026-12-07, round 1 of a 3-peer swarm: two members waited 20 s for the third's part, which never came,
     and the round needed a second attempt. The leader assembles the group the moment it has sent ACCEPTED to the

@@ -204,3 +204,52 @@ def test_other_refusals_and_a_follower_without_regroup_keep_asking():
     assert asyncio.run(asks(MISMATCHES)) == LEADER
     designate(mm, LEADER.to_base58(), regroup=True)  # the next attempt counts from 0
     assert mm.mismatches == 0
+
+
+def test_a_leader_whose_followers_ask_for_another_group_ends_its_attempt():
+    """16 peers on 2 cores (2026-12-08): a leader whose view missed a member expected 15 while its followers asked
+    for 16, and all of them lost its whole attempt. With ``regroup`` it ends the attempt once half of the followers
+    it expects (and at least MISMATCHES) asked it for another size of the same round; others do not count."""
+    from p2p_diloco.swarm.led_matchmaking import FOLLOWERS_MISMATCH, followers_to_regroup
+
+    round_bits = "0110"
+    key = lambda size: f"run.0b{round_bits}{size:016b}"  # noqa: E731 (exact_averager.attempt_key_bits)
+
+    def leader(expects: int, regroup: bool = True):
+        mm, _ = _matchmaking()
+        mm.target_group_size = expects
+        mm.group_key_manager = SimpleNamespace(current_key=key(expects))
+        check = mm._check_reasons_to_reject
+        mm._check_reasons_to_reject = lambda request, context: (
+            averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_GROUP_KEY)
+            if request.group_key != mm.group_key_manager.current_key else check(request, context))
+        designate(mm, ME.to_base58(), regroup=regroup)
+        mm.potential_leaders.declared_expiration_time = get_dht_time() + 30
+        return mm
+
+    def ask(mm, peer: PeerID, group_key: str):
+        request = averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 60, group_key=group_key)
+        return mm._check_reasons_to_reject(request, SimpleNamespace(remote_id=peer))
+
+    async def searching(mm, seconds: float):
+        return await asyncio.wait_for(mm.potential_leaders.pop_next_leader(), seconds)
+
+    assert [followers_to_regroup(n) for n in (2, 3, 5, 16)] == [2, 2, 2, 8]
+    mm = leader(expects=15)
+    followers = [PeerID(bytes([10 + i]) * 8) for i in range(15)]
+    for peer in followers[:6]:  # 6 of the 14 followers it expects asked for 16
+        assert ask(mm, peer, key(16)).code == averaging_pb2.BAD_GROUP_KEY
+    ask(mm, followers[0], key(16))  # the same follower again counts once
+    ask(mm, followers[7], "run.0b0111" + format(16, "016b"))  # another round's: not a round-mate
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(searching(mm, 0.5))
+    ask(mm, followers[8], key(16))  # the 7th: half of the 14
+    started = time.monotonic()
+    with pytest.raises(ViewMismatch, match=FOLLOWERS_MISMATCH):
+        asyncio.run(searching(mm, 5))
+    assert time.monotonic() - started < 1.0  # not the 30 s of its declaration
+    mm = leader(expects=15, regroup=False)  # the attempt after a regroup waits as before
+    for peer in followers:
+        ask(mm, peer, key(16))
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(searching(mm, 0.5))
