@@ -32,6 +32,7 @@ def followers_to_regroup(group_size: int | None) -> int:
     half of those it expects, and at least REGROUP_REFUSALS (one stale follower regroups by itself)."""
     return max(REGROUP_REFUSALS, (group_size or 2) // 2)
 
+
 StateProvider = Callable[..., tuple[dict, list[torch.Tensor]]]  # () or (shard) -> (metadata, tensors) to donate
 
 
